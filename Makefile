@@ -1,0 +1,46 @@
+# make test   -- create or reuse .venv, install draftsmith[dev], run the CPU test suite
+# make demo   -- same environment, then `draftsmith quickstart`
+#
+# Without a GPU (no nvidia-smi / rocm-smi / npu-smi on PATH) torch is pinned to
+# $(TORCH_VERSION) before the package install; point TORCH_INDEX at
+# https://download.pytorch.org/whl/cpu to get the small CPU-only wheel.
+# On a GPU machine the plain `torch` from the configured index is installed.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+EXTRAS ?= dev
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
+
+# A GPU machine has one of these tools on PATH (searched by make itself, no shell needed).
+HAS_GPU := $(firstword $(foreach t,nvidia-smi rocm-smi npu-smi,$(wildcard $(addsuffix /$(t),$(subst :, ,$(PATH))))))
+ifeq ($(strip $(HAS_GPU)),)
+TORCH_SPEC := torch==$(TORCH_VERSION)
+else
+TORCH_SPEC := torch
+endif
+
+.PHONY: test demo install clean-venv
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/draftsmith quickstart
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when pyproject.toml changed since the last install.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+clean-venv:
+	rm -rf $(VENV)

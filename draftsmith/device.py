@@ -1,0 +1,206 @@
+"""Accelerator detection and the few device-specific calls draftsmith makes.
+
+This is the only module that touches ``torch.cuda`` or ``torch_npu``: everything
+else asks it for a ``torch.device``, a dtype or a distributed backend, so model
+and training code stay written for one device and run unchanged on
+
+* NVIDIA and AMD GPUs -- ROCm builds of torch use the ``cuda`` device string,
+  so "cuda" covers both (``is_rocm()`` tells them apart);
+* Ascend NPUs -- ``torch_npu`` registers ``torch.npu`` and the ``npu`` device;
+  it is imported lazily (through importlib, so tests can stand a fake module in
+  ``sys.modules``) and only when no CUDA device is present;
+* CPU -- the fallback, always float32 by default.
+
+bf16 policy: ``supports_bf16`` answers "can tensors of this dtype be computed
+here at all" (True on CPU: torch implements bf16 kernels there, so an explicit
+``bfloat16`` request is honoured), while ``default_dtype`` answers "what should
+draftsmith pick when asked for auto": bf16 on accelerators with native bf16,
+float32 otherwise, and float32 on CPU where bf16 matmuls are slow on most
+processors and the tests want exact, reproducible arithmetic.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import warnings
+from types import ModuleType
+
+import torch
+
+ACCELERATOR_TYPES = ("cuda", "npu", "cpu")
+DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}  # ROCm ships RCCL under the "nccl" name
+
+
+class DeviceError(ValueError):
+    """A device or dtype request that cannot be met on this machine."""
+
+
+def _torch_npu() -> ModuleType | None:
+    """Import torch_npu if installed; it registers ``torch.npu`` as a side effect.
+
+    Any failure (not installed, CANN libraries missing) means "no NPU": an
+    Ascend toolchain that cannot load must not stop CPU work.
+    """
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception:  # noqa: BLE001 - torch_npu raises RuntimeError/OSError when CANN is absent
+        return None
+
+
+def _npu_available() -> bool:
+    if _torch_npu() is None:
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def accelerator_type() -> str:
+    """``"cuda"`` (NVIDIA or ROCm), ``"npu"`` (Ascend) or ``"cpu"``."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+def is_rocm() -> bool:
+    """True for a ROCm (HIP) build of torch, whose GPUs answer to "cuda"."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def _device_type(device: torch.device | str) -> str:
+    # Parsed by hand: torch.device("npu") only works once torch_npu has renamed the PrivateUse1 backend.
+    return device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0]
+
+
+def get_device(prefer: str | None = None) -> torch.device:
+    """The device to run on: ``prefer`` when given ("cpu", "cuda", "cuda:1", "npu", "auto"), else the best one found.
+
+    Asking for an accelerator that is not there is an error rather than a
+    silent CPU fallback: a run that expected a GPU should not crawl on CPU.
+    """
+    if prefer is None or prefer == "auto":
+        return torch.device(accelerator_type())
+    usage = "use one of 'auto', 'cpu', 'cuda', 'cuda:N', 'npu', 'npu:N'"
+    kind = _device_type(prefer)
+    if kind not in ACCELERATOR_TYPES:
+        raise DeviceError(f"invalid device {prefer!r}: {usage}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {prefer!r} requested but no CUDA/ROCm GPU is available; use 'cpu' or 'auto'")
+    if kind == "npu" and not _npu_available():
+        raise DeviceError(f"device {prefer!r} requested but no Ascend NPU (torch_npu) is available; use 'cpu' or 'auto'")
+    try:
+        return torch.device(prefer)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"invalid device {prefer!r}: {usage}") from None
+
+
+def supports_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 tensors compute natively on ``device`` (see the module docstring for CPU)."""
+    kind = _device_type(device)
+    if kind == "cuda":
+        try:  # emulated bf16 (pre-Ampere NVIDIA) is too slow to count as support
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        except TypeError:  # older signature without the keyword
+            return bool(torch.cuda.is_bf16_supported())
+    if kind in ("npu", "cpu"):
+        return True
+    raise DeviceError(f"unsupported device type {kind!r}")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """dtype picked for ``auto``: bf16 on accelerators with native bf16, else float32 (always float32 on CPU)."""
+    kind = _device_type(device)
+    if kind == "cpu":
+        return torch.float32
+    return torch.bfloat16 if supports_bf16(device) else torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """Turn a recipe dtype name ("auto" | "bfloat16" | "float16" | "float32") into a dtype usable on ``device``.
+
+    bf16 asked for where it is not native falls back to float32 with a warning
+    rather than failing, so one recipe runs on a V100 as on an H100.
+    """
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name == "auto":
+        return default_dtype(device)
+    elif name in DTYPE_NAMES:
+        dtype = DTYPE_NAMES[name]
+    else:
+        raise DeviceError(f"unknown dtype {name!r}: use one of 'auto', {', '.join(repr(n) for n in DTYPE_NAMES)}")
+    if dtype == torch.bfloat16 and not supports_bf16(device):
+        warnings.warn(
+            f"bfloat16 is not supported natively on {device_name(device)}; using float32 instead",
+            stacklevel=2,
+        )
+        return torch.float32
+    return dtype
+
+
+def mixed_precision_for(device: torch.device | str) -> str:
+    """accelerate's ``mixed_precision`` for ``device``: "bf16" on accelerators with native bf16, else "no"."""
+    return "bf16" if _device_type(device) != "cpu" and supports_bf16(device) else "no"
+
+
+def distributed_backend(device_type: torch.device | str) -> str:
+    """torch.distributed backend for a device type: nccl (CUDA and ROCm), hccl (NPU), gloo (CPU)."""
+    kind = _device_type(device_type)
+    try:
+        return _BACKENDS[kind]
+    except KeyError:
+        raise DeviceError(f"no distributed backend for device type {kind!r}") from None
+
+
+def _accel_module(device: torch.device | str) -> ModuleType | None:
+    """``torch.cuda`` or ``torch.npu`` for an accelerator device, None for CPU."""
+    kind = _device_type(device)
+    if kind == "cuda":
+        return torch.cuda
+    if kind == "npu":
+        if _torch_npu() is None or not hasattr(torch, "npu"):
+            raise DeviceError("an 'npu' device needs torch_npu: pip install 'draftsmith[npu]'")
+        return torch.npu  # type: ignore[attr-defined]
+    if kind == "cpu":
+        return None
+    raise DeviceError(f"unsupported device type {kind!r}")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels; timings are meaningless without it on accelerators."""
+    mod = _accel_module(device)
+    if mod is not None:
+        mod.synchronize(device)
+
+
+def empty_cache(device: torch.device | str) -> None:
+    mod = _accel_module(device)
+    if mod is not None:
+        mod.empty_cache()
+
+
+def max_memory_allocated(device: torch.device | str) -> int:
+    """Peak bytes allocated by tensors on ``device`` (0 on CPU, where torch does not track it)."""
+    mod = _accel_module(device)
+    return int(mod.max_memory_allocated(device)) if mod is not None else 0
+
+
+def reset_peak_memory_stats(device: torch.device | str) -> None:
+    mod = _accel_module(device)
+    if mod is not None:
+        mod.reset_peak_memory_stats(device)
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable hardware name for logs and benchmark JSON."""
+    mod = _accel_module(device)
+    if mod is not None:
+        return str(mod.get_device_name(device))
+    return platform.processor() or platform.machine() or "cpu"

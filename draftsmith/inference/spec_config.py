@@ -1,0 +1,159 @@
+"""The speculative config: the same dict vLLM's `--speculative-config` takes, parsed strictly.
+
+One JSON string works unchanged for `vllm serve`, for vllm-ascend and for `draftsmith generate`, so a drafter
+is evaluated here with exactly the settings it will be served with. Keys vLLM knows that cannot change the
+output of this runtime (parallelism, memory, kernels) are accepted and ignored; anything else unknown is an
+error with a did-you-mean, because a misspelled key silently falling back to a default wastes a benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
+
+from draftsmith import device as dev
+
+AVAILABLE_METHODS = ("eagle3", "eagle", "ngram")
+RESERVED_METHODS = ("mtp", "dflash", "suffix")  # vLLM methods draftsmith will run, not yet
+
+# method -> "module:Class"; each class has `from_config(spec, target) -> Proposer`. Adding a method is adding a
+# row here, never a branch in the runtime.
+PROPOSERS = {
+    "ngram": "draftsmith.inference.ngram:NgramProposer",
+    "eagle3": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
+    "eagle": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
+}
+
+# vLLM keys that do not change which tokens come out of this runtime.
+IGNORED_KEYS = frozenset({
+    "draft_tensor_parallel_size", "max_model_len", "enforce_eager", "revision", "quantization",
+    "disable_padded_drafter_batch", "attention_backend", "kv_cache_dtype", "moe_backend",
+})
+# vLLM keys that would change the output and that draftsmith does not implement yet.
+UNSUPPORTED_KEYS = frozenset({
+    "rejection_sample_method", "draft_sample_method", "spec_token_tree", "speculative_token_tree",
+    "parallel_drafting", "num_speculative_tokens_per_batch_size", "synthetic_acceptance_rates",
+    "synthetic_acceptance_length", "n_predict", "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+})
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's value for both bounds when neither is given
+NPU_MAX_TOKENS_PER_ROUND = 16  # vllm-ascend: npu_fused_infer_attention_score verifies at most 16 tokens
+
+
+class SpecConfigError(ValueError):
+    """A speculative config that cannot be run; the message names the key and the fix."""
+
+
+@dataclass
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # drafter checkpoint (eagle / eagle3)
+    prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram tried
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram tried
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecConfigError(f"speculative config: {key} must be an integer > 0, got {value!r}")
+    return value
+
+
+def _check_method(method: Any) -> str:
+    if method is None:
+        raise SpecConfigError(f"speculative config: 'method' is required (one of {', '.join(AVAILABLE_METHODS)})")
+    if method in RESERVED_METHODS:
+        raise SpecConfigError(
+            f"speculative config: method {method!r} is not available yet in draftsmith's runtime "
+            f"(available: {', '.join(AVAILABLE_METHODS)})"
+        )
+    if method not in AVAILABLE_METHODS:
+        close = difflib.get_close_matches(str(method), AVAILABLE_METHODS + RESERVED_METHODS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SpecConfigError(
+            f"speculative config: unknown method {method!r}{hint}; available: {', '.join(AVAILABLE_METHODS)}"
+        )
+    return method
+
+
+def _prompt_lookup_bounds(raw: Mapping[str, Any]) -> tuple[int, int]:
+    """vLLM's rules (vllm/config/speculative.py): neither given -> both 5; one given -> the other equals it."""
+    low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if low is None and high is None:
+        return DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
+    low = _positive_int("prompt_lookup_min", low if low is not None else high)
+    high = _positive_int("prompt_lookup_max", high if high is not None else low)
+    if low > high:
+        raise SpecConfigError(
+            f"speculative config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})"
+        )
+    return low, high
+
+
+def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | None = None) -> SpecConfig:
+    """Parse a vLLM speculative config given as a JSON string or a dict.
+
+    `device_type` is where the config will run ("cuda", "npu", "cpu"; default: the accelerator found here); on an
+    NPU, vllm-ascend's limit of num_speculative_tokens + 1 <= 16 verified tokens per round is enforced.
+    """
+    raw: Any = text_or_dict
+    if isinstance(text_or_dict, str):
+        try:
+            raw = json.loads(text_or_dict)
+        except json.JSONDecodeError as e:
+            raise SpecConfigError(f"speculative config: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(raw, Mapping):
+        raise SpecConfigError(f"speculative config: expected a JSON object, got {type(raw).__name__}")
+
+    fields = {f.name for f in dataclasses.fields(SpecConfig)}
+    for key in raw:
+        if key in fields or key in IGNORED_KEYS:
+            continue
+        if key in UNSUPPORTED_KEYS:
+            raise SpecConfigError(f"speculative config: key {key!r} is not supported by draftsmith's runtime yet")
+        close = difflib.get_close_matches(str(key), sorted(fields | IGNORED_KEYS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SpecConfigError(f"speculative config: unknown key {key!r}{hint}")
+
+    method = _check_method(raw.get("method"))
+    if raw.get("num_speculative_tokens") is None:
+        raise SpecConfigError("speculative config: 'num_speculative_tokens' is required (an integer > 0)")
+    k = _positive_int("num_speculative_tokens", raw["num_speculative_tokens"])
+    model = raw.get("model")
+    if model is not None and not isinstance(model, str):
+        raise SpecConfigError(f"speculative config: model must be a path string, got {model!r}")
+    if method in ("eagle", "eagle3") and not model:
+        raise SpecConfigError(f"speculative config: method {method!r} needs 'model', the drafter checkpoint path")
+    # prompt_lookup_* are accepted for every method, as vLLM does, but only mean something for ngram.
+    low, high = _prompt_lookup_bounds(raw) if method == "ngram" else (None, None)
+
+    kind = device_type if device_type is not None else dev.accelerator_type()
+    if kind == "npu" and k + 1 > NPU_MAX_TOKENS_PER_ROUND:
+        raise SpecConfigError(
+            f"speculative config: num_speculative_tokens={k} is too large on an Ascend NPU: vllm-ascend verifies at "
+            f"most {NPU_MAX_TOKENS_PER_ROUND} tokens per round (k + 1 <= {NPU_MAX_TOKENS_PER_ROUND}); "
+            f"use num_speculative_tokens <= {NPU_MAX_TOKENS_PER_ROUND - 1}"
+        )
+    return SpecConfig(method=method, num_speculative_tokens=k, model=model,
+                      prompt_lookup_max=high, prompt_lookup_min=low)
+
+
+def build_proposer(spec: SpecConfig, target):
+    """The proposer for `spec.method`, resolved through `PROPOSERS` and built with `from_config(spec, target)`."""
+    try:
+        module_name, class_name = PROPOSERS[spec.method].split(":")
+    except KeyError:
+        raise SpecConfigError(f"speculative config: no proposer for method {spec.method!r}") from None
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise SpecConfigError(f"speculative config: method {spec.method!r}: cannot load {PROPOSERS[spec.method]} ({e})") from None
+    return cls.from_config(spec, target)

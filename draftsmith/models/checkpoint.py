@@ -1,0 +1,222 @@
+"""draftsmith checkpoint folders on disk: finding and reading ours, writing any folder atomically.
+
+A checkpoint folder, as the trainer writes it:
+
+    <output_dir>/checkpoint-<step>/
+        config.json          the drafter config (`to_dict()`, with "method")
+        model.safetensors    draft weights in draftsmith's names, metadata {"format": "pt"}
+        recipe.yaml          the recipe it was trained with (optional)
+        trainer_state.json   {"step": int, ...} (optional)
+        eval.json            latest `draftsmith eval` result for this drafter (optional)
+    <output_dir>/latest      text file naming the newest checkpoint folder
+
+Every write goes to a temporary name in the destination's directory and is moved into place with `os.replace`,
+so a crash or a full disk leaves the old file (or nothing), never half a file that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+RECIPE_FILE = "recipe.yaml"
+TRAINER_STATE_FILE = "trainer_state.json"
+EVAL_FILE = "eval.json"
+LATEST_FILE = "latest"
+CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
+# transformers refuses safetensors files whose "format" is not one of pt/tf/flax/mlx; some versions crash without it.
+SAFETENSORS_METADATA = {"format": "pt"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder (or output_dir) that cannot be found or read."""
+
+
+class ExportError(ValueError):
+    """An export refused: a checkpoint that fails the target format's contract, or an occupied output folder."""
+
+
+@dataclass
+class ExportResult:
+    """What an exporter wrote, for the command line to report."""
+
+    out_dir: Path
+    files: list[Path]
+    warnings: list[str] = field(default_factory=list)
+    serve_commands: dict[str, str] = field(default_factory=dict)  # engine -> shell command
+
+
+def draftsmith_version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("draftsmith")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        import draftsmith
+
+        return getattr(draftsmith, "__version__", "0+unknown")
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder itself, or an output_dir meaning its newest checkpoint (`latest`, else highest N)."""
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"{root}: no such checkpoint folder or output directory")
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: is a file; give a checkpoint folder or the training output_dir")
+    if is_checkpoint_dir(root):
+        return root
+
+    latest = root / LATEST_FILE
+    if latest.is_dir() and is_checkpoint_dir(latest):  # a symlink to the folder also works
+        return latest
+    if latest.is_file():
+        name = latest.read_text(encoding="utf-8").strip()
+        named = Path(name) if Path(name).is_absolute() else root / name
+        if not name or not is_checkpoint_dir(named):
+            raise CheckpointError(
+                f"{latest}: names {name!r}, which is not a checkpoint folder ({CONFIG_FILE} + {WEIGHTS_FILE}); "
+                f"point at a checkpoint-N folder directly"
+            )
+        return named
+
+    steps = [
+        (int(m.group(1)), child)
+        for child in root.iterdir()
+        if (m := CHECKPOINT_DIR.fullmatch(child.name)) and is_checkpoint_dir(child)
+    ]
+    if not steps:
+        raise CheckpointError(
+            f"{root}: not a checkpoint folder (no {CONFIG_FILE} + {WEIGHTS_FILE}) and no `{LATEST_FILE}` file "
+            f"or complete checkpoint-N folder inside"
+        )
+    return max(steps, key=lambda s: s[0])[1]
+
+
+def read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+
+
+def read_optional_json(path: Path) -> Any | None:
+    return read_json(path) if path.is_file() else None
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config dict, state dict) of a checkpoint folder or of an output_dir's newest checkpoint, on CPU."""
+    ckpt = resolve_checkpoint(path)
+    config = read_json(ckpt / CONFIG_FILE)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: expected a JSON object, got {type(config).__name__}")
+    if "method" not in config:
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: no \"method\" key; not a draftsmith checkpoint config")
+    try:
+        tensors = load_file(ckpt / WEIGHTS_FILE, device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{ckpt / WEIGHTS_FILE}: cannot load: {e}") from None
+    return config, tensors
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """Call `write(tmp)`, fsync it, then move it over `path`; the temporary file never outlives a failure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_safetensors_atomic(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> None:
+    """Save with {"format": "pt"} metadata (plus `metadata`, str -> str); tensors are made contiguous on CPU."""
+    meta = {**SAFETENSORS_METADATA, **(metadata or {})}
+    flat = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    _replace_atomically(Path(path), lambda tmp: save_file(flat, str(tmp), metadata=meta))
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> None:
+    _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(obj: Any, path: str | os.PathLike) -> None:
+    write_text_atomic(json.dumps(obj, indent=2) + "\n", path)
+
+
+def check_output_dir(out_dir: Path, overwrite: bool, keep: tuple[Path, ...] = ()) -> None:
+    """Refuse an occupied destination unless `overwrite`, and never one that holds a folder in `keep`."""
+    out = out_dir.resolve()
+    for kept in keep:
+        kept = kept.resolve()
+        if out == kept or out in kept.parents:
+            raise ExportError(f"{out_dir}: would replace {kept}, the checkpoint being exported; choose another --out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{out_dir}: exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = ()
+) -> Iterator[Path]:
+    """Yield a fresh sibling folder `<out_dir>.tmp-xxxx` to fill; on success it becomes `out_dir`, else it is removed.
+
+    With `overwrite`, an existing `out_dir` is moved aside first and deleted only once the new one is in place.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite, keep)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        check_output_dir(out_dir, overwrite, keep)  # something may have appeared while we wrote
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(f"{out_dir.name}.old-{secrets.token_hex(4)}")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if old is not None:
+                os.replace(old, out_dir)
+            raise
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

@@ -1,0 +1,133 @@
+"""EAGLE-3 drafter configuration: the shape of the draft layer and its link to the target.
+
+One flat dataclass, saved as the `config.json` of a draftsmith checkpoint (with `"method": "eagle3"`), from which
+every export format is derived. Aux layer ids are kept in draftsmith's *capture* convention (DESIGN.md §3: id k is
+the residual stream entering decoder layer k, i.e. Hugging Face `output_hidden_states[k]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import LlamaConfig, PretrainedConfig
+
+METHOD = "eagle3"
+
+
+def default_aux_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's default capture ids `(2, L//2, L-3)`, the same as vLLM's and the EAGLE reference's."""
+    ids = [2, num_target_layers // 2, num_target_layers - 3]
+    if num_target_layers < 4 or len(set(ids)) != 3:
+        # Tiny targets (tests): spread three distinct ids over the available layers instead.
+        ids = sorted({max(0, num_target_layers // 4), num_target_layers // 2, max(0, num_target_layers - 1)})
+    return ids
+
+
+def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
+    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
+    params = getattr(target, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(target, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = float(getattr(target, "rope_theta", 10000.0))
+    return scaling
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_target_layers: int
+    aux_layer_ids: list[int]  # capture convention (DESIGN.md §3)
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    target_name_or_path: str = ""
+    target_architectures: list[str] = field(default_factory=list)
+    target_model_type: str = ""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    method: str = METHOD
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PretrainedConfig,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int] | None = None,
+        target_name_or_path: str = "",
+    ) -> "Eagle3Config":
+        """A draft layer shaped like one decoder layer of the target, as the EAGLE-3 reference does."""
+        num_layers = target.num_hidden_layers
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+        for i in ids:
+            if not 0 <= i <= num_layers:
+                raise ValueError(
+                    f"model.aux_layer_ids: id {i} is outside 0..{num_layers} for a {num_layers}-layer target "
+                    "(id k = the residual stream entering decoder layer k)"
+                )
+        head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=getattr(target, "num_key_value_heads", None) or target.num_attention_heads,
+            head_dim=head_dim,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target.hidden_size,
+            num_target_layers=num_layers,
+            aux_layer_ids=ids,
+            rms_norm_eps=getattr(target, "rms_norm_eps", 1e-5),
+            hidden_act=getattr(target, "hidden_act", "silu"),
+            max_position_embeddings=getattr(target, "max_position_embeddings", 4096),
+            rope_parameters=rope_parameters_of(target),
+            target_name_or_path=target_name_or_path or getattr(target, "_name_or_path", ""),
+            target_architectures=list(getattr(target, "architectures", None) or []),
+            target_model_type=getattr(target, "model_type", ""),
+            bos_token_id=getattr(target, "bos_token_id", None),
+            eos_token_id=getattr(target, "eos_token_id", None),
+            pad_token_id=getattr(target, "pad_token_id", None),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"EAGLE-3 config: unknown keys {unknown}")
+        return cls(**d)
+
+    def llama_config(self) -> LlamaConfig:
+        """A `LlamaConfig` for the transformers building blocks (RoPE, MLP, norms) the draft layer reuses."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+        )

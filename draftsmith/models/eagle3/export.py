@@ -1,0 +1,419 @@
+"""Export an EAGLE-3 checkpoint in the native format that SGLang and vLLM (`method: eagle3`) load unchanged.
+
+The format (engines.md §0, §1.3, §3): a Llama-shaped `config.json` with `"architectures": ["LlamaForCausalLMEagle3"]`
+and one `model.safetensors`. Both engines silently ignore tensors they do not expect and silently fall back to
+default aux layers when the ids are missing, so `validate_native_eagle3` checks the whole contract before anything
+is written.
+
+Aux layer ids. draftsmith keeps capture ids (id k = the residual stream entering target layer k = Hugging Face
+`output_hidden_states[k]`), which is what vLLM reads from the top-level key. SGLang reads
+`eagle_config.eagle_aux_hidden_state_layer_ids` as "output of layer i" and captures i + 1:
+
+    capture id (vLLM)        0      1      2     ...   k
+                          embeds  out(0) out(1)  ...  out(k-1)
+    output-of-layer (SGLang)  -      0      1     ...   k-1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.models.checkpoint import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    RECIPE_FILE,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    ExportError,
+    ExportResult,
+    atomic_output_dir,
+    check_output_dir,
+    draftsmith_version,
+    load_checkpoint,
+    read_optional_json,
+    resolve_checkpoint,
+    save_safetensors_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from draftsmith.models.eagle3.config import METHOD, Eagle3Config
+from draftsmith.models.model_card import render_model_card
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's and SGLang's registries (engines.md §1.1, §3)
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+ENGINE_AUX_LAYERS = 3  # vLLM's and SGLang's Llama EAGLE-3 build fc for exactly three aux layers
+NUM_SPECULATIVE_TOKENS = 3  # what the printed serve commands ask for; SGLang's draft tokens count the root: k + 1
+TAGS = ["speculative-decoding", "eagle3", "draftsmith", "vllm", "sglang"]
+
+# {draftsmith name: native name}. draftsmith adopted the native names, so the map is the identity; it is still
+# spelled out because it is the contract (a tensor outside it is refused, a missing one is reported).
+_WEIGHT_NAMES = (
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+)
+_VOCAB_NAMES = ("d2t", "t2d")
+_ATTENTION_BIAS_NAMES = tuple(f"midlayer.self_attn.{p}_proj.bias" for p in "qkvo")  # when attention_bias
+_MLP_BIAS_NAMES = tuple(f"midlayer.mlp.{p}_proj.bias" for p in ("gate", "up", "down"))  # when mlp_bias
+NATIVE_KEY_MAP: dict[str, str] = {
+    name: name for name in _WEIGHT_NAMES + _VOCAB_NAMES + _ATTENTION_BIAS_NAMES + _MLP_BIAS_NAMES
+}
+
+_REQUIRED_INTS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "max_position_embeddings",
+)
+
+
+# ---- aux layer id conventions ------------------------------------------------------------------------------
+def capture_to_output_of_layer(ids: list[int]) -> list[int]:
+    """vLLM / draftsmith capture ids -> SGLang's output-of-layer ids (capture k = output of layer k-1)."""
+    bad = [i for i in ids if i < 1]
+    if bad:
+        raise ValueError(
+            f"aux layer id(s) {bad}: capture id 0 is the embedding output, which has no output-of-layer form for "
+            "SGLang; train with ids >= 1"
+        )
+    return [i - 1 for i in ids]
+
+
+def output_of_layer_to_capture(ids: list[int]) -> list[int]:
+    """SGLang's output-of-layer ids -> vLLM / draftsmith capture ids."""
+    return [i + 1 for i in ids]
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+def _legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) as transformers 4 and older engines read them; scaling is None for plain RoPE."""
+    theta = float(rope_parameters.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    return theta, scaling if scaling.get("rope_type", "default") != "default" else None
+
+
+def native_config(config: Eagle3Config, step: int | None = None) -> dict[str, Any]:
+    """The Llama-shaped `config.json` both engines read, with aux ids in each engine's convention."""
+    capture_ids = list(config.aux_layer_ids)
+    rope = {"rope_type": "default", **config.rope_parameters}
+    rope_theta, rope_scaling = _legacy_rope(rope)
+    rope["rope_theta"] = rope_theta
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope,
+        "tie_word_embeddings": False,  # True would make SGLang use the embedding as lm_head
+        "norm_before_residual": False,  # residual from the un-normed hidden branch (DESIGN.md §3)
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        AUX_IDS_KEY: capture_ids,
+        "eagle_config": {AUX_IDS_KEY: capture_to_output_of_layer(capture_ids), "use_aux_hidden_state": True},
+        "draftsmith": {
+            "version": draftsmith_version(),
+            "method": METHOD,
+            "target": config.target_name_or_path,
+            "target_architectures": list(config.target_architectures),
+            "target_model_type": config.target_model_type,
+            "num_target_layers": config.num_target_layers,
+            "target_max_position_embeddings": config.max_position_embeddings,
+            "aux_layer_ids_capture": capture_ids,
+            "aux_layer_ids_note": (
+                f"top-level {AUX_IDS_KEY} (vLLM): id k = residual stream entering target layer k = HF "
+                f"output_hidden_states[k]; eagle_config.{AUX_IDS_KEY} (SGLang): output of layer i = capture id i+1"
+            ),
+            "step": step,
+        },
+    }
+
+
+def expected_native_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Native tensor name -> (shape, how the shape follows from the config)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    n_aux, h_t = len(config[AUX_IDS_KEY]), config["target_hidden_size"]
+    shapes = {
+        "fc.weight": ((h, n_aux * h_t), f"(hidden_size, {n_aux} aux layers x target_hidden_size)"),
+        "midlayer.input_layernorm.weight": ((h,), "(hidden_size,)"),
+        "midlayer.hidden_norm.weight": ((h,), "(hidden_size,)"),
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), "(heads x head_dim, 2 x hidden_size)"),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), "(kv_heads x head_dim, 2 x hidden_size)"),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), "(kv_heads x head_dim, 2 x hidden_size)"),
+        "midlayer.self_attn.o_proj.weight": ((h, q), "(hidden_size, heads x head_dim)"),
+        "midlayer.post_attention_layernorm.weight": ((h,), "(hidden_size,)"),
+        "midlayer.mlp.gate_proj.weight": ((i, h), "(intermediate_size, hidden_size)"),
+        "midlayer.mlp.up_proj.weight": ((i, h), "(intermediate_size, hidden_size)"),
+        "midlayer.mlp.down_proj.weight": ((h, i), "(hidden_size, intermediate_size)"),
+        "norm.weight": ((h,), "(hidden_size,)"),
+        "lm_head.weight": ((config["draft_vocab_size"], h), "(draft_vocab_size, hidden_size)"),
+        "d2t": ((config["draft_vocab_size"],), "(draft_vocab_size,)"),
+        "t2d": ((config["vocab_size"],), "(vocab_size,)"),
+    }
+    if config.get("attention_bias"):
+        for name, width in zip(_ATTENTION_BIAS_NAMES, (q, kv, kv, h)):
+            shapes[name] = ((width,), "bias of the matching projection (attention_bias)")
+    if config.get("mlp_bias"):
+        for name, width in zip(_MLP_BIAS_NAMES, (i, i, h)):
+            shapes[name] = ((width,), "bias of the matching projection (mlp_bias)")
+    return shapes
+
+
+# ---- validation --------------------------------------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    problems: list[str] = []
+    warnings: list[str] = []
+    if config.get("architectures") != [ARCHITECTURE]:
+        problems.append(f"config architectures: {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+    if config.get("model_type") != "llama":
+        problems.append(f"config model_type: {config.get('model_type')!r}, expected 'llama'")
+    if config.get("num_hidden_layers") != 1:
+        problems.append(f"config num_hidden_layers: {config.get('num_hidden_layers')!r}, expected 1")
+    for key in _REQUIRED_INTS:
+        if key not in config:
+            problems.append(f"config: missing {key}")
+        elif not _is_int(config[key]) or config[key] <= 0:
+            problems.append(f"config {key}: {config[key]!r}, expected a positive integer")
+    for key in ("rms_norm_eps", "hidden_act", "rope_theta", "rope_parameters"):
+        if key not in config:
+            problems.append(f"config: missing {key}")
+    rope = config.get("rope_parameters")
+    rope_ok = isinstance(rope, dict) and rope.get("rope_theta") == config.get("rope_theta")
+    if "rope_parameters" in config and not rope_ok:
+        problems.append("config rope_parameters: must be a dict whose rope_theta equals the top-level rope_theta")
+    if config.get("tie_word_embeddings") is not False:
+        problems.append("config tie_word_embeddings: must be false (SGLang would use the embedding as lm_head)")
+    vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+    if _is_int(vocab) and _is_int(draft_vocab) and draft_vocab > vocab:
+        problems.append(f"config draft_vocab_size {draft_vocab} > vocab_size {vocab}")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        warnings.append("the draft layer has biases; SGLang's LlamaForCausalLMEagle3 has none and drops them silently")
+
+    provenance = config.get("draftsmith") or {}
+    target_max_pos = provenance.get("target_max_position_embeddings")
+    max_pos = config.get("max_position_embeddings")
+    if _is_int(target_max_pos) and _is_int(max_pos) and max_pos < target_max_pos:
+        problems.append(f"config max_position_embeddings {max_pos} < the target's {target_max_pos}")
+
+    ids = config.get(AUX_IDS_KEY)
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+        problems.append(f"config {AUX_IDS_KEY}: {ids!r}, expected a non-empty list of capture ids (vLLM convention)")
+        return problems, warnings
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        problems.append(f"config {AUX_IDS_KEY}: {ids} must be strictly increasing (engines concatenate in layer order)")
+    num_layers = provenance.get("num_target_layers")
+    if _is_int(num_layers) and any(i > num_layers for i in ids):
+        problems.append(f"config {AUX_IDS_KEY}: {ids} exceed the target's {num_layers} layers")
+    elif _is_int(num_layers) and ids[-1] == num_layers:
+        warnings.append(f"aux id {num_layers} is the last layer's output; older vLLM only captures ids < {num_layers}")
+    if len(ids) != ENGINE_AUX_LAYERS:
+        warnings.append(f"{len(ids)} aux layers; vLLM's and SGLang's Llama EAGLE-3 expect {ENGINE_AUX_LAYERS}")
+
+    eagle = config.get("eagle_config")
+    if not isinstance(eagle, dict):
+        problems.append(f"config: missing eagle_config.{AUX_IDS_KEY} (SGLang reads only the nested key)")
+        return problems, warnings
+    if eagle.get("use_aux_hidden_state") is not True:
+        problems.append("config eagle_config.use_aux_hidden_state: must be true (false makes the engines skip fc)")
+    try:
+        want = capture_to_output_of_layer(ids)
+    except ValueError as e:
+        problems.append(f"config {AUX_IDS_KEY}: {e}")
+        return problems, warnings
+    got = eagle.get(AUX_IDS_KEY)
+    if got != want:
+        problems.append(
+            f"config eagle_config.{AUX_IDS_KEY}: {got!r}, expected {want} (output-of-layer form of capture ids {ids})"
+        )
+    elif want[0] != 1:
+        warnings.append(
+            f"SGLang ids {want} do not start at 1; SGLang adds its +1 only when the first id is 1 and may read them "
+            f"as capture ids (one layer early). Check acceptance under SGLang, or train with first aux id 2"
+        )
+    return problems, warnings
+
+
+def _check_vocab_maps(config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
+    """d2t and t2d must describe the same sorted set of target ids (DESIGN.md §3, draft vocabulary)."""
+    if int(t2d.sum()) != config["draft_vocab_size"]:
+        return [f"t2d: {int(t2d.sum())} True entries, but draft_vocab_size is {config['draft_vocab_size']}"]
+    used = torch.arange(d2t.numel()) + d2t  # (V_d,) target id of each draft id
+    if used.numel() > 1 and not bool((used[1:] > used[:-1]).all()):
+        return ["d2t: target ids arange + d2t are not strictly increasing"]
+    if int(used.min()) < 0 or int(used.max()) >= config["vocab_size"]:
+        return [f"d2t: target ids arange + d2t fall outside 0..{config['vocab_size'] - 1}"]
+    marked = t2d.nonzero().flatten()  # (V_d,) target ids in the draft vocab, ascending
+    if not torch.equal(marked, used):
+        i = int((marked != used).nonzero()[0])
+        return [f"d2t and t2d disagree: draft id {i} maps to target id {int(used[i])}, t2d says {int(marked[i])}"]
+    return []
+
+
+def check_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) for a native EAGLE-3 config + state dict. Problems make an export unloadable or wrong."""
+    problems, warnings = _check_config(config)
+    sizes_ok = all(_is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
+    if not sizes_ok or not isinstance(config.get(AUX_IDS_KEY), list):
+        return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
+    expected = expected_native_shapes(config)
+
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (engines would ignore them silently): {', '.join(unexpected)}")
+    shapes_ok = True
+    for name in sorted(set(expected) & set(tensors)):
+        shape, why = expected[name]
+        if tuple(tensors[name].shape) != shape:
+            problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
+            shapes_ok = False
+    dtypes_ok = True
+    for name in sorted(set(expected) & set(tensors)):
+        t = tensors[name]
+        want = {"d2t": torch.int64, "t2d": torch.bool}.get(name)
+        if want is not None and t.dtype != want:
+            problems.append(f"{name}: dtype {t.dtype}, expected {want}")
+            dtypes_ok = False
+        elif want is None and not t.is_floating_point():
+            problems.append(f"{name}: dtype {t.dtype}, expected a floating-point weight")
+    if "d2t" in tensors and "t2d" in tensors and shapes_ok and dtypes_ok:
+        problems += _check_vocab_maps(config, tensors["d2t"], tensors["t2d"])
+    return problems, warnings
+
+
+def validate_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems with a native EAGLE-3 export (empty = loadable by SGLang and vLLM); see `check_native_eagle3`."""
+    return check_native_eagle3(config, tensors)[0]
+
+
+# ---- export ------------------------------------------------------------------------------------------------
+def eagle3_serve_commands(
+    target: str, draft: str, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
+) -> dict[str, str]:
+    """Commands that serve `target` with this drafter; SGLang's draft-token count includes the root (k + 1)."""
+    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": num_speculative_tokens},
+                      separators=(",", ":"))
+    t, d, k = shlex.quote(target), shlex.quote(draft), num_speculative_tokens
+    return {
+        "vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}",
+        "SGLang": (
+            f"python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {d} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}"
+        ),
+    }
+
+
+def _draftsmith_config(ckpt: Path, raw: dict[str, Any]) -> Eagle3Config:
+    where = ckpt / CONFIG_FILE
+    if raw.get("method") != METHOD:
+        raise ExportError(
+            f"{where}: method {raw.get('method')!r} cannot be exported as native EAGLE-3 (needs {METHOD!r})"
+        )
+    try:
+        return Eagle3Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{where}: {e}") from None
+
+
+def export_native_eagle3(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> ExportResult:
+    """Build, validate and write config.json + model.safetensors + README.md into `out_dir`, all or nothing."""
+    out_dir = Path(out_dir)
+    ckpt = resolve_checkpoint(checkpoint)
+    check_output_dir(out_dir, overwrite, keep=(ckpt,))
+    raw, state = load_checkpoint(ckpt)
+    cfg = _draftsmith_config(ckpt, raw)
+    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
+    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+
+    try:
+        config = native_config(cfg, step=step)
+    except ValueError as e:  # aux ids with no SGLang form
+        raise ExportError(f"{ckpt / CONFIG_FILE}: {e}") from None
+    tensors = {NATIVE_KEY_MAP.get(name, name): t for name, t in state.items()}  # unknown names kept, then refused
+    problems, warnings = check_native_eagle3(config, tensors)
+    if problems:
+        raise ExportError(f"{ckpt}: refusing to export as native EAGLE-3: " + "; ".join(problems))
+
+    try:
+        eval_result = read_optional_json(ckpt / EVAL_FILE)
+    except CheckpointError as e:
+        eval_result, warnings = None, warnings + [f"eval result not shown in the model card: {e}"]
+    recipe_path = ckpt / RECIPE_FILE
+    recipe_text = recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None
+    target = cfg.target_name_or_path or "TARGET"
+    commands = eagle3_serve_commands(target, str(out_dir))
+    card = render_model_card(
+        target=target,
+        method="EAGLE-3",
+        tags=TAGS,
+        summary={
+            "architecture": ARCHITECTURE,
+            "draft layers": 1,
+            "hidden_size": cfg.hidden_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "draft_vocab_size": f"{cfg.draft_vocab_size} of {cfg.vocab_size}",
+            "training step": step if step is not None else "unknown",
+        },
+        aux_layer_ids=[
+            ("capture: residual entering layer k = HF `output_hidden_states[k]` (vLLM)", AUX_IDS_KEY,
+             config[AUX_IDS_KEY]),
+            ("output of layer i (SGLang)", f"eagle_config.{AUX_IDS_KEY}", config["eagle_config"][AUX_IDS_KEY]),
+        ],
+        serve_commands=commands,
+        recipe_text=recipe_text,
+        eval_result=eval_result if isinstance(eval_result, dict) else None,
+        version=config["draftsmith"]["version"],
+    )
+
+    names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
+    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
+        write_json_atomic(config, tmp / CONFIG_FILE)
+        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
+        write_text_atomic(card, tmp / "README.md")
+    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings, serve_commands=commands)

@@ -1,0 +1,82 @@
+"""EAGLE-3 training targets and loss, as pure functions.
+
+Index alignment (see model.py): step i at drafter position t predicts x_{t+2+i}. The target's distribution over
+that token is its logits at position p = t+1+i, so
+
+    teacher(i, t) = target_logits[t + 1 + i]        valid(i, t) = loss_mask[t + 2 + i] and argmax in draft vocab
+
+    t        0    1    2   ...
+    step 0   p1   p2   p3       (predicts x2, x3, x4)
+    step 1   p2   p3   p4       (predicts x3, x4, x5)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def teacher_targets(last_hidden: torch.Tensor, lm_head: nn.Module, t2d: torch.Tensor, chunk_size: int = 1024):
+    """Target logits restricted to the draft vocab, and whether the full-vocab argmax lies inside it.
+
+    last_hidden (B, S, H) is the final-normed target state. The full-vocabulary logits exist only one chunk of
+    positions at a time, never for the whole batch.
+    Returns draft_logits (B, S, V_d) float32 and in_draft (B, S) bool.
+    """
+    draft_logits, in_draft = [], []
+    for start in range(0, last_hidden.shape[1], chunk_size):
+        logits = lm_head(last_hidden[:, start:start + chunk_size]).float()  # (B, c, V)
+        in_draft.append(t2d[logits.argmax(-1)])
+        draft_logits.append(logits[..., t2d])
+    return torch.cat(draft_logits, 1), torch.cat(in_draft, 1)
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """out[:, t] = x[:, t + n], padded with `fill` at the end."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8):
+    """Weighted soft cross-entropy over the unrolled steps: sum_i decay**i * L_i.
+
+    step_logits: list of (B, S, V_d) drafter logits; teacher_draft_logits (B, S, V_d); teacher_in_draft (B, S) bool;
+    loss_mask (B, S) with 1 on assistant tokens. L_i averages over its valid positions.
+    Returns (loss, metrics) where metrics holds 0-dim tensors (no host sync here): per-step loss and top-1 accuracy (draft argmax == target argmax)
+    and the simulated chain acceptance length (1 + leading correct steps, teacher-forced tokens).
+    """
+    total = 0.0
+    metrics: dict[str, torch.Tensor] = {}
+    correct_steps, valid_steps = [], []
+    for i, logits in enumerate(step_logits):
+        teacher = shift_left(teacher_draft_logits, 1 + i)  # (B, S, V_d)
+        valid = shift_left(loss_mask.bool(), 2 + i, False) & shift_left(teacher_in_draft, 1 + i, False)  # (B, S)
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        p = torch.softmax(teacher, dim=-1)
+        per_pos = -(p * log_q).sum(-1)  # (B, S)
+        count = valid.sum()
+        step_loss = (per_pos * valid).sum() / count.clamp(min=1)
+        total = total + (decay ** i) * step_loss
+        correct = (logits.argmax(-1) == teacher.argmax(-1)) & valid
+        correct_steps.append(correct)
+        valid_steps.append(valid)
+        metrics[f"loss_{i}"] = step_loss.detach()
+        metrics[f"acc_{i}"] = correct.sum() / count.clamp(min=1)
+        metrics[f"count_{i}"] = count
+    metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid_steps[0])
+    return total, metrics
+
+
+def simulated_acceptance_length(correct_steps, valid0) -> torch.Tensor:
+    """1 + mean number of leading correct steps, over positions where step 0 is valid (a 0-dim tensor)."""
+    run = torch.ones_like(correct_steps[0])
+    accepted = torch.zeros(correct_steps[0].shape, dtype=torch.float32, device=correct_steps[0].device)
+    for correct in correct_steps:
+        run = run & correct
+        accepted += run.float()
+    return 1.0 + (accepted * valid0).sum() / valid0.sum().clamp(min=1)

@@ -1,0 +1,193 @@
+"""The EAGLE-3 drafter: fused target features + token embedding -> one Llama decoder layer -> draft-vocab head.
+
+Shapes: H = draft hidden size, H_t = target hidden size, n = number of aux layers, V_d = draft vocab.
+
+    fc:        (n*H_t) -> H                              fuses the target's aux features g_t
+    midlayer:  attention input cat(input_layernorm(e), hidden_norm(h))  (2H wide), residual = h (un-normed)
+    norm, lm_head: H -> V_d                               d2t maps a draft id i to target id i + d2t[i]
+
+Position alignment (the same as vLLM's EAGLE proposer): drafter position t holds the pair
+(embed(x_{t+1}), g_t) and predicts x_{t+2}; the i-th unrolled draft step from t sits at position t + i.
+
+    tokens   x0   x1   x2   x3 ...
+    target   g0   g1   g2   g3        (g_t has seen x_0..x_t)
+    drafter  (x1,g0) (x2,g1) (x3,g2)  -> predicts x2, x3, x4
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.target import KVCache, attend
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        width = 2 * config.hidden_size  # cat(embedding, hidden)
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+
+    def qkv(self, x, cos, sin):
+        """Rotated queries (B, h, S, hd) and keys (B, kv, S, hd), values (B, kv, S, hd)."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+
+class Eagle3Layer(nn.Module):
+    """The single decoder layer (`midlayer`), split so training (TTT) and the runtime (KV cache) share it."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        llama = config.llama_config()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(llama)
+
+    def attention_input(self, embeds, hidden):
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
+
+    def finish(self, attn_out, hidden):
+        """o_proj, residual from the un-normed hidden branch, then the MLP block."""
+        b, _, s, _ = attn_out.shape
+        out = hidden + self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, s, -1))  # (B, S, H)
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"draft vocab of shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} does not fit "
+                             f"{tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope(self, like, position_ids):
+        cos, sin = self.rotary_emb(like, position_ids)  # (B, S, hd)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, hd)
+
+    def logits(self, hidden):
+        return self.lm_head(self.norm(hidden))  # (B, S, V_d)
+
+    # ---- training: training-time test (TTT) -----------------------------------------------------
+    def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None):
+        """Unroll `num_steps` draft steps over a whole sequence at once; returns per-step logits.
+
+        aux_hidden (B, S, n*H_t): g_t; token_embeds (B, S, H): embed(x_t) of the whole sequence.
+        Step i at position t takes embed(x_{t+1+i}) and, for i > 0, the drafter's own output hidden of step i-1
+        at t, sits at position t+i, and predicts x_{t+2+i}. Its query attends causally to the step-0 keys and to
+        the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6).
+        Positions whose input token lies past the end get zero embeddings; the loss masks them.
+        """
+        b, s, _ = token_embeds.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=token_embeds.device).unsqueeze(0).expand(b, -1)
+        attn = self.midlayer.self_attn
+        scale = attn.head_dim ** -0.5
+        groups = attn.num_heads // attn.num_kv_heads
+        causal = torch.ones(s, s, dtype=torch.bool, device=token_embeds.device).tril()  # (S, S)
+
+        hidden = self.fc(aux_hidden)  # (B, S, H)
+        keys0 = values0 = None
+        diag_keys, diag_values = [], []  # steps 1..i, each (B, h, S, hd)
+        step_logits = []
+        for i in range(num_steps):
+            embeds = torch.zeros_like(token_embeds)
+            embeds[:, : max(s - 1 - i, 0)] = token_embeds[:, 1 + i:]  # embed(x_{t+1+i})
+            cos, sin = self.rope(token_embeds, position_ids + i)
+            q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
+            k = k.repeat_interleave(groups, dim=1)  # (B, h, S, hd)
+            v = v.repeat_interleave(groups, dim=1)
+            if i == 0:
+                keys0, values0 = k, v
+            else:
+                diag_keys.append(k)
+                diag_values.append(v)
+            scores = (q @ keys0.transpose(-1, -2)) * scale  # (B, h, S, S)
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            diag = [((q * dk).sum(-1, keepdim=True) * scale) for dk in diag_keys]  # each (B, h, S, 1)
+            probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+            out = probs[..., :s] @ values0  # (B, h, S, hd)
+            for j, dv in enumerate(diag_values):
+                out = out + probs[..., s + j: s + j + 1] * dv
+            hidden = self.midlayer.finish(out, hidden)  # (B, S, H), input hidden of step i+1
+            step_logits.append(self.logits(hidden))
+        return step_logits
+
+    def forward(self, aux_hidden, token_embeds, num_steps: int):
+        """Training forward (what DDP/FSDP wrap): the TTT unroll."""
+        return self.forward_ttt(aux_hidden, token_embeds, num_steps)
+
+    # ---- runtime: cached steps ---------------------------------------------------------------------
+    def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:
+        attn = self.midlayer.self_attn
+        return KVCache(1, batch_size, attn.num_kv_heads, attn.head_dim, max_length, dtype, device)
+
+    def step(self, embeds, hidden, cache: KVCache):
+        """Append T pairs (embeds (B,T,H), hidden (B,T,H)) at positions cache.length..; returns output hidden (B,T,H).
+
+        `hidden` is fc(aux) for committed context and the drafter's previous output hidden while drafting.
+        """
+        b, t, _ = embeds.shape
+        start, end = cache.length, cache.length + t
+        if end > cache.max_length:
+            raise ValueError(f"draft KV cache overflow: {end} > {cache.max_length}")
+        position_ids = torch.arange(start, end, device=embeds.device).unsqueeze(0).expand(b, -1)
+        cos, sin = self.rope(embeds, position_ids)
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
+        cache.keys[0, :, :, start:end] = k
+        cache.values[0, :, :, start:end] = v
+        mask = None
+        if t > 1:
+            mask = (torch.arange(end, device=embeds.device)[None, :]
+                    <= torch.arange(start, end, device=embeds.device)[:, None])[None, None]
+        out = attend(q, cache.keys[0, :, :, :end], cache.values[0, :, :, :end], mask, scale=attn.head_dim ** -0.5)
+        cache.length = end
+        return self.midlayer.finish(out, hidden)
+
+
+def init_drafter_from_target(drafter: Eagle3Drafter, target_lm_head_weight: torch.Tensor) -> None:
+    """Start the draft head from the target's head rows of the draft vocabulary: it already maps the target's
+    final hidden space to tokens, which shortens training."""
+    with torch.no_grad():
+        ids = torch.arange(drafter.config.draft_vocab_size, device=drafter.d2t.device) + drafter.d2t
+        drafter.lm_head.weight.copy_(target_lm_head_weight[ids].to(drafter.lm_head.weight.dtype))
+
+

@@ -1,0 +1,45 @@
+"""What the trainer needs from EAGLE-3: build the drafter, compute its loss from captured target states."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
+from draftsmith.models.eagle3.model import Eagle3Drafter, init_drafter_from_target
+from draftsmith.models.target import TargetModel
+
+
+class Eagle3Method:
+    name = "eagle3"
+
+    def __init__(self, recipe, target: TargetModel):
+        self.target = target
+        self.ttt_steps = recipe.training.ttt_steps
+        self.ttt_decay = recipe.training.ttt_decay
+        self.config = Eagle3Config.from_target(
+            target.config, recipe.model.draft_vocab_size, recipe.model.aux_layer_ids,
+            target_name_or_path=recipe.model.target,
+        )
+        self.aux_layer_ids = self.config.aux_layer_ids
+
+    def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
+        """An fp32 drafter (master weights) with the draft vocab and the head started from the target's rows."""
+        drafter = Eagle3Drafter(self.config).to(self.target.device)
+        drafter.set_draft_vocab(d2t.to(self.target.device), t2d.to(self.target.device))
+        init_drafter_from_target(drafter, self.target.lm_head.weight.float())
+        return drafter
+
+    def loss(self, drafter, batch: dict[str, torch.Tensor]):
+        """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
+        captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
+        t2d = _unwrap(drafter).t2d
+        teacher, in_draft = teacher_targets(captured.last_hidden, self.target.lm_head, t2d)
+        with torch.no_grad():
+            token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
+        step_logits = drafter(captured.aux_hidden, token_embeds, self.ttt_steps)
+        return ttt_loss(step_logits, teacher, in_draft, batch["loss_mask"], self.ttt_decay)
+
+
+def _unwrap(module):
+    return getattr(module, "module", module)

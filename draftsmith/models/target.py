@@ -1,0 +1,244 @@
+"""The target model: aux hidden-state capture for training and a cached forward for the runtime.
+
+`TargetModel` wraps any Hugging Face causal LM whose decoder layers live in `model.model.layers` (Llama, Qwen2,
+Qwen3, Mistral, ...). Training only needs `capture()`, which runs the stock transformers forward with hooks.
+The runtime needs `step()`: a forward over a preallocated `KVCache` that can be rolled back past rejected draft
+tokens and that returns the aux features of exactly the positions it ran. That forward is written here on top
+of the model's own modules (projections, norms, MLP, rotary embedding), so it does not depend on transformers'
+cache classes, whose API changes between releases.
+
+Aux-layer convention (DESIGN.md §3): capture id k is the residual stream *entering* decoder layer k, i.e.
+Hugging Face `output_hidden_states[k]`; id 0 is the embedding output, id L the last layer's output before the
+final norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith import device as dev
+
+SUPPORTED_STEP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class TargetError(ValueError):
+    """A target model draftsmith cannot use as it is."""
+
+
+@dataclass
+class CapturedStates:
+    aux_hidden: torch.Tensor  # (B, S, n_aux*H) residual stream entering each aux layer, concatenated
+    last_hidden: torch.Tensor  # (B, S, H) final-normed hidden state: lm_head(last_hidden) = target logits
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # (B, T, V) float32, for the last `logits_to_keep` positions (all when None)
+    aux_hidden: torch.Tensor | None  # (B, T, n_aux*H) for all T positions, None when not asked for
+
+
+class KVCache:
+    """Preallocated keys and values of every target layer; positions `[0, length)` are valid.
+
+    Rolling back is setting `length`: rejected positions are simply overwritten by the next step.
+    """
+
+    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_length, dtype, device):
+        shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # (L, B, kv, T_max, hd)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.max_length = max_length
+
+    def rollback(self, length: int) -> None:
+        """Forget every position >= `length`."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of length {self.length} to {length}")
+        self.length = length
+
+
+def attend(q, keys, values, mask, scale):
+    """Scaled dot-product attention with grouped K/V heads and a boolean `mask` (True = may attend).
+
+    q (B, h, T, hd); keys/values (B, kv, S, hd); mask broadcastable to (B, h, T, S) or None (no masking).
+    """
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)  # (B, h, S, hd)
+        values = values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+class TargetModel:
+    def __init__(self, model: nn.Module, name_or_path: str = ""):
+        if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+            raise TargetError(
+                f"{name_or_path or type(model).__name__}: draftsmith needs a causal LM with decoder layers at "
+                "`model.model.layers` (Llama, Qwen2/3, Mistral and most decoder-only models)"
+            )
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.config = model.config
+        self.name_or_path = name_or_path or getattr(self.config, "_name_or_path", "")
+        self.layers = model.model.layers
+        self.num_layers = len(self.layers)
+        self.hidden_size = self.config.hidden_size
+        self.vocab_size = self.config.vocab_size
+        self.head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        self.num_heads = self.config.num_attention_heads
+        self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
+                        attn_implementation: str = "sdpa") -> "TargetModel":
+        from transformers import AutoModelForCausalLM
+
+        device = dev.get_device(device) if not isinstance(device, torch.device) else device
+        torch_dtype = dev.resolve_dtype(dtype, device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch_dtype, attn_implementation=attn_implementation
+            )
+        except OSError as e:
+            raise TargetError(f"cannot load target model from {path}: {str(e).splitlines()[0]}") from e
+        return cls(model.to(device), name_or_path=str(path))
+
+    # ---- pieces the drafters share -------------------------------------------------------------
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    def default_aux_layer_ids(self) -> list[int]:
+        from draftsmith.models.eagle3.config import default_aux_layer_ids
+
+        return default_aux_layer_ids(self.num_layers)
+
+    def check_aux_layer_ids(self, aux_layer_ids) -> list[int]:
+        ids = [int(i) for i in aux_layer_ids]
+        bad = [i for i in ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise TargetError(
+                f"aux layer ids {bad} are outside 0..{self.num_layers} for this {self.num_layers}-layer target "
+                "(id k = the residual stream entering decoder layer k)"
+            )
+        return ids
+
+    # ---- training: capture with the stock forward ----------------------------------------------
+    @torch.no_grad()
+    def capture(self, input_ids, attention_mask=None, aux_layer_ids=None) -> CapturedStates:
+        """Aux features and the final-normed last hidden state, without computing any vocabulary logits.
+
+        Hooks record the input of each aux layer (and of the final norm for id L), so only the requested
+        layers are kept, not all L+1 hidden states.
+        """
+        ids = self.check_aux_layer_ids(aux_layer_ids if aux_layer_ids is not None else self.default_aux_layer_ids())
+        recorded: dict[int, torch.Tensor] = {}
+
+        def recorder(layer_id):
+            def hook(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                recorded[layer_id] = hidden
+
+            return hook
+
+        modules = [(i, self.layers[i] if i < self.num_layers else self.final_norm) for i in set(ids)]
+        handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in modules]
+        try:
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        aux = torch.cat([recorded[i] for i in ids], dim=-1)  # (B, S, n_aux*H)
+        return CapturedStates(aux_hidden=aux, last_hidden=out.last_hidden_state)
+
+    # ---- runtime: cached forward ---------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
+                       self.dtype, self.device)
+
+    def _check_step_support(self):
+        model_type = getattr(self.config, "model_type", "")
+        if model_type not in SUPPORTED_STEP_MODEL_TYPES:
+            raise TargetError(
+                f"draftsmith's runtime supports target model types {SUPPORTED_STEP_MODEL_TYPES}, not '{model_type}'"
+            )
+        if getattr(self.config, "use_sliding_window", False) and getattr(self.config, "sliding_window", None):
+            raise TargetError("draftsmith's runtime does not support sliding-window attention targets yet")
+
+    @torch.no_grad()
+    def step(self, input_ids, cache: KVCache, aux_layer_ids=None, logits_to_keep=None,
+             attention_mask=None, position_ids=None) -> StepOutput:
+        """Run `input_ids` (B, T) at positions cache.length.. over the cache, append their K/V, advance the cache.
+
+        `attention_mask` (B or 1, 1, T, cache.length+T), True = may attend, replaces the causal mask (draft trees);
+        `position_ids` (B, T) replaces the consecutive positions.
+        """
+        self._check_step_support()
+        batch, num_new = input_ids.shape
+        start = cache.length
+        end = start + num_new
+        if end > cache.max_length:
+            raise ValueError(f"KV cache overflow: {end} positions > max_length {cache.max_length}")
+        if position_ids is None:
+            position_ids = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, -1)
+        if attention_mask is None and num_new > 1:
+            key_pos = torch.arange(end, device=self.device)
+            query_pos = torch.arange(start, end, device=self.device)
+            attention_mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T, end)
+
+        aux_ids = self.check_aux_layer_ids(aux_layer_ids) if aux_layer_ids is not None else []
+        wanted = set(aux_ids)
+        recorded: dict[int, torch.Tensor] = {}
+
+        hidden = self.embed_tokens(input_ids)  # (B, T, H)
+        cos, sin = self.model.model.rotary_emb(hidden, position_ids)  # (B, T, hd)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                recorded[i] = hidden
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(batch, num_new, -1, self.head_dim)  # (B, T, h, hd)
+            k = attn.k_proj(x).view(batch, num_new, -1, self.head_dim)
+            v = attn.v_proj(x).view(batch, num_new, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.keys[i, :, :, start:end] = k
+            cache.values[i, :, :, start:end] = v
+            out = attend(q, cache.keys[i, :, :, :end], cache.values[i, :, :, :end], attention_mask,
+                         scale=self.head_dim ** -0.5)  # (B, h, T, hd)
+            out = out.transpose(1, 2).reshape(batch, num_new, -1)
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if self.num_layers in wanted:
+            recorded[self.num_layers] = hidden
+        cache.length = end
+
+        kept = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
+        logits = self.lm_head(self.final_norm(kept)).float()  # (B, T_kept, V)
+        aux = torch.cat([recorded[i] for i in aux_ids], dim=-1) if aux_ids else None
+        return StepOutput(logits=logits, aux_hidden=aux)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

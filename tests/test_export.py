@@ -1,0 +1,364 @@
+"""Native EAGLE-3 export: the key/shape/dtype contract, both aux-id conventions, all-or-nothing writes, the card."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from transformers import LlamaConfig
+
+from draftsmith.models.checkpoint import (
+    CheckpointError,
+    ExportError,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_safetensors_atomic,
+    write_json_atomic,
+)
+from draftsmith.models.eagle3.config import Eagle3Config, default_aux_layer_ids
+from draftsmith.models.eagle3.export import (
+    AUX_IDS_KEY,
+    capture_to_output_of_layer,
+    check_native_eagle3,
+    export_native_eagle3,
+    native_config,
+    output_of_layer_to_capture,
+    validate_native_eagle3,
+)
+from draftsmith.models.export import add_export_args, run_export
+
+TARGET = "meta-llama/Llama-3.1-8B-Instruct"
+DRAFT_VOCAB = 32
+
+
+def tiny_eagle3_config(num_layers: int = 8, aux_layer_ids=None, **target_overrides) -> Eagle3Config:
+    target = LlamaConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=512, **target_overrides,
+    )
+    return Eagle3Config.from_target(target, DRAFT_VOCAB, aux_layer_ids=aux_layer_ids, target_name_or_path=TARGET)
+
+
+def random_eagle3_tensors(cfg: Eagle3Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under draftsmith's names, shapes written out by hand (not taken from the exporter)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {
+        "fc.weight": (h, len(cfg.aux_layer_ids) * cfg.target_hidden_size),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+    }
+    tensors = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    used = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values  # (V_d,) target ids
+    tensors["d2t"] = used - torch.arange(cfg.draft_vocab_size)  # target_id = i + d2t[i]
+    tensors["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    tensors["t2d"][used] = True
+    return tensors
+
+
+def make_checkpoint(
+    root: Path, cfg: Eagle3Config, tensors=None, step: int = 100, recipe: str | None = None, eval_result=None
+) -> Path:
+    """A checkpoint folder laid out as the trainer writes it: root/checkpoint-<step>/ plus root/latest."""
+    ckpt = root / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    write_json_atomic(cfg.to_dict(), ckpt / "config.json")
+    save_safetensors_atomic(random_eagle3_tensors(cfg) if tensors is None else tensors, ckpt / "model.safetensors")
+    write_json_atomic({"step": step}, ckpt / "trainer_state.json")
+    if recipe is not None:
+        (ckpt / "recipe.yaml").write_text(recipe)
+    if eval_result is not None:
+        write_json_atomic(eval_result, ckpt / "eval.json")
+    (root / "latest").write_text(ckpt.name + "\n")
+    return ckpt
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+# ---- aux layer ids -------------------------------------------------------------------------------------------
+def test_default_aux_ids_for_32_layers_in_both_conventions():
+    ids = default_aux_layer_ids(32)
+    assert ids == [2, 16, 29]  # vLLM capture convention
+    assert capture_to_output_of_layer(ids) == [1, 15, 28]  # SGLang output-of-layer convention
+    assert output_of_layer_to_capture([1, 15, 28]) == [2, 16, 29]
+
+    config = native_config(tiny_eagle3_config(num_layers=32))
+    assert config[AUX_IDS_KEY] == [2, 16, 29]
+    assert config["eagle_config"] == {AUX_IDS_KEY: [1, 15, 28], "use_aux_hidden_state": True}
+
+
+def test_capture_id_zero_has_no_sglang_form():
+    with pytest.raises(ValueError, match="embedding output"):
+        capture_to_output_of_layer([0, 4, 6])
+
+
+def test_sglang_ids_not_starting_at_one_warn_but_export(tmp_path):
+    cfg = tiny_eagle3_config(aux_layer_ids=[3, 5, 7])
+    result = export_native_eagle3(make_checkpoint(tmp_path / "run", cfg), tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eagle_config"][AUX_IDS_KEY] == [2, 4, 6]
+    assert any("SGLang" in w and "[2, 4, 6]" in w for w in result.warnings)
+
+    _, warnings = check_native_eagle3(native_config(tiny_eagle3_config()), random_eagle3_tensors(tiny_eagle3_config()))
+    assert warnings == []  # default ids (2, 4, 5) -> SGLang [1, 3, 4]: nothing to warn about
+
+
+# ---- the export itself -----------------------------------------------------------------------------------------
+def test_export_writes_the_native_format(tmp_path):
+    cfg = tiny_eagle3_config()
+    tensors = random_eagle3_tensors(cfg)
+    out = tmp_path / "export"
+    result = export_native_eagle3(make_checkpoint(tmp_path / "run", cfg, tensors), out)
+
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert [p.name for p in result.files] == ["config.json", "model.safetensors", "README.md"]
+    assert leftovers(tmp_path) == []
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(tensors)
+        assert f.get_tensor("d2t").dtype == torch.int64
+        assert f.get_tensor("t2d").dtype == torch.bool
+        assert torch.equal(f.get_tensor("fc.weight"), tensors["fc.weight"])
+        assert torch.equal(f.get_tensor("d2t"), tensors["d2t"])
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (256, DRAFT_VOCAB)
+    assert config["target_hidden_size"] == 64
+    assert config["max_position_embeddings"] >= 512
+    assert config["tie_word_embeddings"] is False
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    assert config["rope_scaling"] is None  # plain RoPE: transformers 4 expects null, not {"rope_type": "default"}
+    assert config[AUX_IDS_KEY] == [2, 4, 5]
+    assert config["eagle_config"][AUX_IDS_KEY] == [1, 3, 4]
+    assert config["draftsmith"]["target"] == TARGET
+    assert config["draftsmith"]["step"] == 100
+    assert validate_native_eagle3(config, tensors) == []
+
+
+def test_exported_config_loads_in_transformers(tmp_path):
+    cfg = tiny_eagle3_config(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    export_native_eagle3(make_checkpoint(tmp_path / "run", cfg), tmp_path / "out")
+    loaded = LlamaConfig.from_pretrained(tmp_path / "out")
+    assert (loaded.hidden_size, loaded.intermediate_size, loaded.num_hidden_layers) == (64, 128, 1)
+    assert (loaded.num_attention_heads, loaded.num_key_value_heads, loaded.head_dim) == (4, 2, 16)
+    assert loaded.vocab_size == 256 and loaded.draft_vocab_size == DRAFT_VOCAB
+    assert loaded.rope_parameters["rope_theta"] == 500000.0
+    assert loaded.eagle_config[AUX_IDS_KEY] == [1, 3, 4]
+
+
+def test_scaled_rope_keeps_legacy_keys():
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    config = native_config(tiny_eagle3_config(rope_parameters=rope))
+    assert config["rope_theta"] == 500000.0
+    assert config["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert config["rope_parameters"] == rope
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_drafter_state_dict_matches_the_contract(bias):
+    """The model's own parameter names are the export contract: drift in either shows up here."""
+    from draftsmith.models.eagle3.model import Eagle3Drafter
+
+    cfg = tiny_eagle3_config()
+    cfg.attention_bias = cfg.mlp_bias = bias
+    drafter = Eagle3Drafter(cfg)
+    vocab = random_eagle3_tensors(cfg)
+    drafter.set_draft_vocab(vocab["d2t"], vocab["t2d"])
+    problems, warnings = check_native_eagle3(native_config(cfg), drafter.state_dict())
+    assert problems == []
+    assert any("biases" in w for w in warnings) == bias  # SGLang's draft layer has no biases
+
+
+def _drop_norm(t):
+    del t["norm.weight"]
+
+
+def _add_embedding(t):
+    t["embed_tokens.weight"] = torch.zeros(256, 64)
+
+
+def _wrong_fc(t):
+    t["fc.weight"] = torch.zeros(64, 128)  # two aux layers' worth, config says three
+
+
+def _shift_d2t(t):
+    t["d2t"][5] += 1  # draft id 5 now points at a target id t2d does not mark
+
+
+def _int32_d2t(t):
+    t["d2t"] = t["d2t"].int()
+
+
+def _unsorted_vocab(t):
+    t["d2t"][3], t["d2t"][4] = t["d2t"][4] + 1, t["d2t"][3] - 1  # swaps the target ids of draft ids 3 and 4
+
+
+@pytest.mark.parametrize(
+    "corrupt, reason",
+    [
+        (_drop_norm, "missing tensors: norm.weight"),
+        (_add_embedding, "unexpected tensors .*embed_tokens.weight"),
+        (_wrong_fc, r"fc.weight: shape \(64, 128\), expected \(64, 192\)"),
+        (_shift_d2t, "d2t and t2d disagree: draft id 5"),
+        (_int32_d2t, "d2t: dtype torch.int32, expected torch.int64"),
+        (_unsorted_vocab, "not strictly increasing"),
+    ],
+)
+def test_bad_checkpoints_are_refused_and_nothing_is_written(tmp_path, corrupt, reason):
+    cfg = tiny_eagle3_config()
+    tensors = random_eagle3_tensors(cfg)
+    corrupt(tensors)
+    ckpt = make_checkpoint(tmp_path / "run", cfg, tensors)
+    with pytest.raises(ExportError, match=reason):
+        export_native_eagle3(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_config_problems_are_reported_by_key():
+    cfg = tiny_eagle3_config()
+    config = native_config(cfg)
+    config["eagle_config"][AUX_IDS_KEY] = [2, 4, 5]  # capture ids copied into SGLang's key: off by one
+    config["max_position_embeddings"] = 128
+    del config["draft_vocab_size"]
+    problems = validate_native_eagle3(config, random_eagle3_tensors(cfg))
+    assert any("eagle_config.eagle_aux_hidden_state_layer_ids: [2, 4, 5], expected [1, 3, 4]" in p for p in problems)
+    assert any("max_position_embeddings 128 < the target's 512" in p for p in problems)
+    assert any(p == "config: missing draft_vocab_size" for p in problems)
+
+
+def test_occupied_out_dir_needs_overwrite(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "run", tiny_eagle3_config())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not empty; pass --overwrite"):
+        export_native_eagle3(ckpt, out)
+    assert (out / "old.txt").read_text() == "keep me"
+
+    export_native_eagle3(ckpt, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert leftovers(tmp_path) == []
+    with pytest.raises(ExportError, match="checkpoint being exported"):
+        export_native_eagle3(ckpt, tmp_path / "run", overwrite=True)
+    assert (ckpt / "model.safetensors").is_file()
+
+
+def test_wrong_method_is_refused(tmp_path):
+    cfg = tiny_eagle3_config()
+    ckpt = make_checkpoint(tmp_path / "run", cfg)
+    write_json_atomic({**cfg.to_dict(), "method": "dflash"}, ckpt / "config.json")
+    with pytest.raises(ExportError, match="method 'dflash' cannot be exported as native EAGLE-3"):
+        export_native_eagle3(ckpt, tmp_path / "out")
+
+
+# ---- checkpoint folders ----------------------------------------------------------------------------------------
+def test_resolve_checkpoint_in_an_output_dir(tmp_path):
+    cfg = tiny_eagle3_config()
+    run = tmp_path / "run"
+    for step in (9, 10, 3):
+        make_checkpoint(run, cfg, step=step)  # `latest` now names checkpoint-3
+    assert resolve_checkpoint(run) == run / "checkpoint-3"
+    assert resolve_checkpoint(run / "checkpoint-9") == run / "checkpoint-9"
+    (run / "latest").unlink()
+    assert resolve_checkpoint(run) == run / "checkpoint-10"  # numeric, not lexicographic
+    (run / "latest").write_text("checkpoint-77\n")
+    with pytest.raises(CheckpointError, match="names 'checkpoint-77'"):
+        resolve_checkpoint(run)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no `latest` file or complete checkpoint-N"):
+        resolve_checkpoint(tmp_path / "empty")
+
+    config, state = load_checkpoint(run / "checkpoint-9")
+    assert config["method"] == "eagle3" and state["t2d"].dtype == torch.bool
+
+
+def test_broken_config_json_names_file_and_line(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "run", tiny_eagle3_config())
+    (ckpt / "config.json").write_text('{\n  "method": "eagle3",\n  oops\n}')
+    with pytest.raises(CheckpointError, match=r"config.json:3: invalid JSON"):
+        load_checkpoint(ckpt)
+
+
+# ---- model card and command line -------------------------------------------------------------------------------
+RECIPE = "data:\n  path: Aeala/ShareGPT_Vicuna_unfiltered\n  max_length: 2048\ntrain:\n  lr: 1.0e-4\n"
+EVAL = {
+    "num_speculative_tokens": 3, "temperature": 0.0, "max_new_tokens": 256,
+    "results": [{"dataset": "mt_bench", "num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 150,
+                 "num_accepted_tokens_per_pos": [80, 50, 20]}],
+}
+
+
+def test_model_card(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "run", tiny_eagle3_config(), recipe=RECIPE, eval_result=EVAL)
+    out = tmp_path / "out"
+    export_native_eagle3(ckpt, out)
+    card = (out / "README.md").read_text()
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["base_model"] == TARGET
+    assert meta["library_name"] == "draftsmith"
+    assert meta["tags"] == ["speculative-decoding", "eagle3", "draftsmith", "vllm", "sglang"]
+    assert meta["datasets"] == ["Aeala/ShareGPT_Vicuna_unfiltered"]
+    assert "pipeline_tag" not in meta
+    spec = f'{{"method":"eagle3","model":"{out}","num_speculative_tokens":3}}'
+    assert f"vllm serve {TARGET} --speculative-config '{spec}'" in body
+    assert (
+        f"python -m sglang.launch_server --model {TARGET} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
+        "--speculative-num-draft-tokens 4" in body
+    )
+    assert "`[2, 4, 5]`" in body and "`[1, 3, 4]`" in body
+    assert "| mt_bench | 3 | 0.0 | 256 | 2.500 | 50.0% | 0.800, 0.500, 0.200 |" in body  # 1 + 150/100
+    assert "max_length: 2048" in body
+
+
+def test_model_card_with_a_local_target_has_no_base_model(tmp_path):
+    cfg = tiny_eagle3_config()
+    cfg.target_name_or_path = str(tmp_path)  # a local folder is not a Hub id
+    export_native_eagle3(make_checkpoint(tmp_path / "run", cfg), tmp_path / "out")
+    meta = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---\n")[1])
+    assert "base_model" not in meta and "datasets" not in meta
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_export_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli(tmp_path, capsys):
+    make_checkpoint(tmp_path / "run", tiny_eagle3_config())
+    out = tmp_path / "out"
+    assert run_export(_cli(str(tmp_path / "run"), "--format", "sglang", "--out", str(out))) == 0
+    printed = capsys.readouterr().out
+    assert "model.safetensors" in printed and "vllm serve" in printed and "sglang.launch_server" in printed
+
+    assert run_export(_cli(str(tmp_path / "run"), "--format", "sglang", "--out", str(out))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err
+
+    assert run_export(_cli(str(tmp_path / "missing"), "--format", "sglang", "--out", str(tmp_path / "o2"))) == 2
+    assert "no such checkpoint" in capsys.readouterr().err

@@ -1,0 +1,204 @@
+"""SpeculativeGenerator: lossless against plain greedy, exact bookkeeping with a scripted proposer, and the
+eval / CLI glue on the fixture target."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.inference.eval import format_table, load_prompts, run_eval, write_eval_json
+from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+from draftsmith.models.target import TargetModel
+
+AUX = (1, 3)
+
+
+class ScriptedProposer:
+    """Drafts the known greedy continuation, with a scripted defect per step:
+    ("wrong", i) corrupts draft i; ("short", m) drafts only m tokens (PAD after); None drafts all correctly."""
+
+    aux_layer_ids = AUX
+
+    def __init__(self, reference, script, vocab_size):
+        self.reference, self.script, self.vocab_size = reference, list(script), vocab_size
+        self.requests, self.extended_tokens, self.extended_aux, self.expected_accepts = [], [], [], []
+
+    def begin(self, prompt_ids):
+        self.context, self.paired = prompt_ids[0].tolist(), 0
+
+    def extend(self, token_ids, aux_hidden):
+        self.context = self.context[: self.paired + 1] + token_ids[0].tolist()
+        self.paired += token_ids.shape[1]
+        self.extended_tokens += token_ids[0].tolist()
+        self.extended_aux.append(aux_hidden)
+
+    def propose(self, num_tokens):
+        self.requests.append(num_tokens)
+        n = len(self.context)
+        drafts = (self.reference[n : n + num_tokens] + [0] * num_tokens)[:num_tokens]
+        defect = self.script.pop(0) if self.script else None
+        length, accepted = num_tokens, num_tokens
+        if defect and defect[0] == "wrong" and defect[1] < num_tokens:
+            drafts[defect[1]] = (drafts[defect[1]] + 1) % self.vocab_size
+            accepted = defect[1]
+        if defect and defect[0] == "short":
+            length = accepted = min(defect[1], num_tokens)
+            drafts[length:] = [PAD_DRAFT_TOKEN] * (num_tokens - length)
+        self.expected_accepts.append(accepted)
+        return Proposal(torch.tensor([drafts]), torch.tensor([length]))
+
+
+@pytest.fixture
+def tiny_target(tiny_llama):
+    model, _ = tiny_llama()
+    return TargetModel(model.float().eval())
+
+
+def full_recompute_greedy(model, prompt, n):
+    """The slow reference: no cache, argmax of a full forward per token."""
+    ids = prompt.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, prompt.shape[1]:].tolist()
+
+
+def test_plain_greedy_matches_full_recompute(tiny_target):
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    result = SpeculativeGenerator(tiny_target, None, 4).generate(prompt, 20)
+    assert result.token_ids == full_recompute_greedy(tiny_target.model, prompt, 20)
+    assert result.num_target_steps == 20 and result.metrics.num_drafts == 0
+
+
+def test_scripted_drafts_are_verified_exactly(tiny_target):
+    prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
+    max_new = 23
+    plain = SpeculativeGenerator(tiny_target, None, 0).generate(prompt, max_new).token_ids
+    reference = prompt[0].tolist() + plain
+    script = [None, ("wrong", 0), ("wrong", 2), ("short", 1), ("short", 0), None, ("wrong", 3)]
+    proposer = ScriptedProposer(reference, script, vocab_size=256)
+    result = SpeculativeGenerator(tiny_target, proposer, 4).generate(prompt, max_new)
+
+    assert result.token_ids == plain
+    # Each step commits accepted + 1 tokens; steps whose proposal had no drafts are not counted as drafts.
+    accepts = proposer.expected_accepts
+    plain_steps = max_new - 1 - sum(a + 1 for a in accepts)  # steps left with no room to draft
+    assert result.num_target_steps == 1 + len(accepts) + plain_steps
+    assert result.metrics.num_accepted_tokens == sum(accepts)
+    assert result.metrics.num_drafts == len(accepts) - 1  # ("short", 0) drafted nothing: not a draft
+    assert result.metrics.num_draft_tokens == sum(proposer.requests) - 3 - 4  # ("short", 1) and ("short", 0)
+    # Never asked to draft past max_new_tokens: a + 1 committed tokens always fit.
+    committed = 1
+    for request, accepted in zip(proposer.requests, accepts):
+        assert request == min(4, max_new - committed - 1)
+        committed += accepted + 1
+
+
+def test_extend_pairs_each_feature_with_the_next_token(tiny_target):
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = SpeculativeGenerator(tiny_target, None, 0).generate(prompt, 15).token_ids
+    reference = prompt[0].tolist() + plain
+    proposer = ScriptedProposer(reference, [("wrong", 1), None, ("short", 0), ("wrong", 0)], vocab_size=256)
+    SpeculativeGenerator(tiny_target, proposer, 3).generate(prompt, 15)
+
+    # token_ids of every extend, concatenated, are the sequence from position 1 on ...
+    paired = len(proposer.extended_tokens)
+    assert proposer.extended_tokens == reference[1 : paired + 1]
+    # ... and aux row j is the target's feature at position j, the one that predicted token j + 1.
+    aux = torch.cat(proposer.extended_aux, dim=1)  # (1, paired, 2H)
+    expected = tiny_target.capture(torch.tensor([reference[:paired]]), aux_layer_ids=list(AUX)).aux_hidden
+    torch.testing.assert_close(aux, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_eos_inside_an_accepted_block_ends_the_output(tiny_target):
+    prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeGenerator(tiny_target, None, 0).generate(prompt, 30).token_ids
+    eos = plain[6]
+    stop = plain.index(eos)  # its first occurrence
+    proposer = ScriptedProposer(prompt[0].tolist() + plain, [], vocab_size=256)  # perfect drafts, k = 4
+    result = SpeculativeGenerator(tiny_target, proposer, 4).generate(prompt, 30, eos_token_ids={eos})
+    assert result.token_ids == plain[: stop + 1]
+    assert result.token_ids == SpeculativeGenerator(tiny_target, None, 0).generate(prompt, 30, {eos}).token_ids
+
+
+def test_fixture_ngram_is_lossless_on_mt_bench(fixture_target_dir, mt_bench_path):
+    """The must-have: in float32, n-gram speculation changes no token of plain greedy decoding."""
+    from transformers import AutoTokenizer
+
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    prompts = load_prompts(mt_bench_path, tokenizer, limit=3)
+    spec = parse_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                              "prompt_lookup_max": 3}, device_type="cpu")
+    plain = SpeculativeGenerator(target, None, 0)
+    speculative = SpeculativeGenerator(target, build_proposer(spec, target), spec.num_speculative_tokens)
+    total_accepted = 0
+    for ids in prompts:
+        prompt = torch.tensor([ids])
+        expected = plain.generate(prompt, 64, {6, 2})
+        got = speculative.generate(prompt, 64, {6, 2})
+        assert got.token_ids == expected.token_ids
+        m = got.metrics
+        assert m.num_drafts > 0 and 0 <= m.num_accepted_tokens <= m.num_draft_tokens <= 4 * m.num_drafts
+        per_pos = m.num_accepted_tokens_per_pos
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and sum(per_pos) == m.num_accepted_tokens
+        assert got.num_target_steps == expected.num_target_steps - m.num_accepted_tokens
+        total_accepted += m.num_accepted_tokens
+    assert total_accepted > 0  # the fixture repeats itself: prompt lookup must land some tokens
+
+
+def test_run_eval_table_and_json(fixture_target_dir, mt_bench_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    prompts = load_prompts(mt_bench_path, tokenizer, limit=2)
+    assert tokenizer.decode(prompts[0]).startswith("<s><|user|>\nCompose an engaging travel blog post")
+    spec = parse_spec_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, "cpu")
+    result = run_eval(target, tokenizer, prompts, [spec], max_new_tokens=16, progress=False)
+    (row,) = result["results"]
+    assert row["lossless_mismatches"] == 0 and row["metrics"]["num_spec_tokens"] == 3
+    assert result["baseline"]["tokens"] == row["tokens"] and row["speedup"] > 0
+    table = format_table(result)
+    assert table.splitlines()[0].split()[:3] == ["method", "k", "mean"] and "ngram" in table and "plain" in table
+    path = write_eval_json(result, tmp_path / "out" / "eval.json", target, argv=["draftsmith", "eval"])
+    saved = json.loads(path.read_text())
+    assert saved["command"] == "draftsmith eval" and saved["dtype"] == "float32" and saved["max_new_tokens"] == 16
+    assert set(saved["versions"]) == {"torch", "transformers", "draftsmith"}
+    assert [p.name for p in path.parent.iterdir()] == ["eval.json"]  # no temporary file left behind
+
+
+def test_load_prompts_reads_conversation_jsonl(tmp_path, fixture_target_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    path = tmp_path / "c.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"hello {i}"}, {"from": "gpt", "value": "hi"}]}
+            for i in range(3)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    prompts = load_prompts(path, tokenizer, limit=2)
+    assert [tokenizer.decode(p) for p in prompts] == [f"<s><|user|>\nhello {i}<|end|>\n<|assistant|>\n" for i in (0, 1)]
+
+
+def test_cli_generate_json_and_errors(fixture_target_dir, capsys):
+    from draftsmith.cli import main
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    rc = main(["generate", "--target", str(fixture_target_dir), "--speculative-config", spec,
+               "--prompt", "Tell me about the ocean.", "--max-new-tokens", "12", "--json", "--device", "cpu",
+               "--dtype", "float32"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and 1 <= len(out["token_ids"]) <= 12 and isinstance(out["text"], str)
+    assert out["metrics"]["num_spec_tokens"] == 3 and "mean_acceptance_length" in out["metrics"]
+
+    rc = main(["generate", "--target", str(fixture_target_dir), "--speculative-config", '{"method": "ngram"}',
+               "--prompt", "x", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "num_speculative_tokens" in err and len(err.strip().splitlines()) == 1
+
+    rc = main(["eval", "--target", str(fixture_target_dir), "--speculative-config", spec,
+               "--dataset", "/nonexistent/q.jsonl", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "/nonexistent/q.jsonl" in err and len(err.strip().splitlines()) == 1

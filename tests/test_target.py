@@ -1,0 +1,71 @@
+"""TargetModel: capture follows the aux-layer convention; the cached step forward equals transformers' forward."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from draftsmith.models.target import TargetError, TargetModel
+
+
+def _tiny(kind):
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(**common) if kind == "llama" else Qwen3Config(head_dim=16, **common)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_capture_follows_hf_hidden_states_convention(kind):
+    model = _tiny(kind)
+    target = TargetModel(model)
+    ids = torch.randint(0, 128, (2, 10))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    got = target.capture(ids, aux_layer_ids=[0, 2, 4])
+    # id k = hidden_states[k] (the residual stream entering layer k); id L = last layer output *before* the norm.
+    torch.testing.assert_close(got.aux_hidden[..., :64], ref.hidden_states[0])
+    torch.testing.assert_close(got.aux_hidden[..., 64:128], ref.hidden_states[2])
+    pre_norm = got.aux_hidden[..., 128:]
+    torch.testing.assert_close(model.model.norm(pre_norm), ref.hidden_states[4])
+    # last_hidden is the normed state: lm_head(last_hidden) gives the target's logits, no double norm.
+    torch.testing.assert_close(model.lm_head(got.last_hidden), ref.logits)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cached_step_matches_full_forward(kind):
+    model = _tiny(kind)
+    target = TargetModel(model)
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    cache = target.new_cache(1, 32)
+    first = target.step(ids[:, :7], cache, aux_layer_ids=[1, 3])
+    second = target.step(ids[:, 7:], cache, aux_layer_ids=[1, 3])
+    logits = torch.cat([first.logits, second.logits], dim=1)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=1e-5)
+    aux = torch.cat([first.aux_hidden, second.aux_hidden], dim=1)
+    torch.testing.assert_close(aux, torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1), atol=1e-5, rtol=1e-5)
+    assert cache.length == 12
+
+
+def test_rollback_discards_rejected_positions():
+    model = _tiny("llama")
+    target = TargetModel(model)
+    ids = torch.randint(0, 128, (1, 9))
+    cache = target.new_cache(1, 32)
+    target.step(ids[:, :5], cache)
+    target.step(torch.randint(0, 128, (1, 3)), cache)  # a rejected draft
+    cache.rollback(5)
+    out = target.step(ids[:, 5:], cache, logits_to_keep=1)
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1:]
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        cache.rollback(20)
+
+
+def test_aux_id_out_of_range_is_a_clear_error():
+    target = TargetModel(_tiny("llama"))
+    with pytest.raises(TargetError, match="outside 0..4"):
+        target.capture(torch.zeros(1, 3, dtype=torch.long), aux_layer_ids=[1, 5])
