@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import shlex
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -59,7 +60,7 @@ def _first_user_turns(path: Path, limit: int | None) -> list[str]:
     try:
         is_mt_bench = "turns" in json.loads(first)
     except (json.JSONDecodeError, TypeError):
-        raise EvalError(f"{path}:1: not a JSON object per line (MT-bench question.jsonl or conversation JSONL)") from None
+        raise EvalError(f"{path}:1: expected one JSON object per line (MT-bench or conversation JSONL)") from None
     if not is_mt_bench:
         from draftsmith.data.conversations import load_conversations
 
@@ -169,7 +170,7 @@ def _version(package: str) -> str:
 def run_info(target, argv: list[str] | None = None) -> dict[str, Any]:
     """Where and how a result was measured: command, hardware, versions, dtype."""
     return {
-        "command": " ".join(argv if argv is not None else sys.argv),
+        "command": shlex.join(argv if argv is not None else sys.argv),  # quoted: pastes back into a shell
         "hardware": dev.device_name(target.device),
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),

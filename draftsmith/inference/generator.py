@@ -35,7 +35,9 @@ class SpeculativeGenerator:
         self.k = num_speculative_tokens if proposer is not None else 0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Tensor, max_new_tokens: int, eos_token_ids: set[int] | None = None) -> GenerationResult:
+    def generate(
+        self, prompt_ids: Tensor, max_new_tokens: int, eos_token_ids: set[int] | None = None
+    ) -> GenerationResult:
         """Greedy-decode up to `max_new_tokens` tokens after `prompt_ids` (1, S), stopping after an EOS token.
 
         Cache bookkeeping, with c = committed tokens (prompt + generated): the target cache holds positions
@@ -46,7 +48,9 @@ class SpeculativeGenerator:
             committed    c -> c + a + 1            cache rolled back to c + a (bonus not in it)
         """
         if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
-            raise ValueError(f"generate: prompt_ids must be (1, S) with S >= 1 (batch size 1 for now), got {tuple(prompt_ids.shape)}")
+            raise ValueError(
+                f"generate: prompt_ids must be (1, S) with S >= 1 (batch size 1 for now), got {tuple(prompt_ids.shape)}"
+            )
         target, proposer, k = self.target, self.proposer, self.k
         metrics = SpecDecodingMetrics(num_spec_tokens=k)
         eos = eos_token_ids or set()

@@ -65,7 +65,7 @@ class Proposer(Protocol):
         extend(prompt[:, 1:] ++ [t0], aux @ 0..S-1)      prefill: restates the prompt so every prompt feature
                                                          gets its next token; p = S, context = prompt ++ [t0]
         propose(k) -> d_0..d_k-1                         drafts continue the context
-        (target verifies [last, d_0..d_k-1] at positions p..p+k, accepts a drafts, adds bonus b)
+        (target verifies [last, d_0..d_k-1] at positions p..p+k, accepts a, adds recovered/bonus b)
         extend([d_0..d_a-1, b], aux @ p..p+a)            p += a + 1
 
     Tokens restated for positions the proposer already knows (the prompt) equal what it was given in `begin`.

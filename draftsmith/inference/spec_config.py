@@ -155,5 +155,7 @@ def build_proposer(spec: SpecConfig, target):
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
-        raise SpecConfigError(f"speculative config: method {spec.method!r}: cannot load {PROPOSERS[spec.method]} ({e})") from None
+        raise SpecConfigError(
+            f"speculative config: method {spec.method!r}: cannot load {PROPOSERS[spec.method]} ({e})"
+        ) from None
     return cls.from_config(spec, target)
