@@ -134,12 +134,73 @@ class TrainingConfig(BaseModel):
         return self
 
 
+class DflashConfig(BaseModel):
+    """The `dflash:` section, read only when model.method is dflash."""
+
+    model_config = _STRICT
+
+    num_layers: int = Field(5, ge=1)  # draft decoder layers
+    block_size: int = Field(16, ge=2)  # anchor + (block_size - 1) masks; drafts up to block_size - 1 tokens
+    num_target_layers: int = Field(5, ge=1)  # how many target layers' features are fused (not the target's depth)
+    # Output-of-layer convention, as dflash_config.target_layer_ids in the export (id i = output of layer i =
+    # capture id i + 1); None = num_target_layers ids spread evenly from layer 1 to L-3.
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = Field(None, ge=0)  # None = a learned mask embedding
+    anchors_per_sequence: int = Field(512, ge=1)
+    loss_gamma: float | None = Field(None, gt=0)  # None = 7 / 5 / 4 for block 16 / 10 / 8, else block_size / 2
+
+    @model_validator(mode="after")
+    def _check(self) -> DflashConfig:
+        ids = self.target_layer_ids
+        if ids is None:
+            return self
+        if not ids or min(ids) < 0:
+            raise ValueError(f"dflash.target_layer_ids {ids}: list layer ids >= 0 (output of layer i), or null")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"dflash.target_layer_ids {ids}: list them in increasing order, each once "
+                             "(engines concatenate features in layer order)")
+        if "num_target_layers" in self.model_fields_set and self.num_target_layers != len(ids):
+            raise ValueError(f"dflash.num_target_layers is {self.num_target_layers} but dflash.target_layer_ids "
+                             f"lists {len(ids)} layers: drop num_target_layers or make them agree")
+        self.num_target_layers = len(ids)  # so a saved recipe reads back the same
+        return self
+
+
+class MtpConfig(BaseModel):
+    """The `mtp:` section, read only when model.method is mtp. Depth d (1-based) predicts the token d + 1 ahead
+    with module (d - 1) % num_modules, the way vLLM cycles MTP layers."""
+
+    model_config = _STRICT
+
+    num_modules: int = Field(1, ge=1)  # distinct MTP modules (DeepSeek-V3 ships 1)
+    num_depths: int = Field(3, ge=1)  # depths trained per position (FastMTP: 3)
+    recursive: bool = True  # FastMTP: modules reused past num_modules; false: one module per depth (DeepSeek-V3)
+    depth_decay: float = Field(0.8, gt=0, le=1)  # loss weight of depth d is depth_decay**(d-1)
+    init_from_native: bool = True  # start from the target checkpoint's own MTP weights when it has them
+
+    @model_validator(mode="after")
+    def _check(self) -> MtpConfig:
+        if not self.recursive and self.num_depths != self.num_modules:
+            raise ValueError(
+                f"mtp.num_depths ({self.num_depths}) must equal mtp.num_modules ({self.num_modules}) when "
+                "mtp.recursive is false (one module per depth): set them equal, or set mtp.recursive=true"
+            )
+        if self.num_depths < self.num_modules:
+            raise ValueError(
+                f"mtp.num_depths ({self.num_depths}) < mtp.num_modules ({self.num_modules}) leaves modules "
+                f"untrained: set mtp.num_depths >= {self.num_modules}"
+            )
+        return self
+
+
 class Recipe(BaseModel):
     model_config = _STRICT
 
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    dflash: DflashConfig = Field(default_factory=DflashConfig)
+    mtp: MtpConfig = Field(default_factory=MtpConfig)
     output_dir: str = Field(min_length=1)
 
 

@@ -22,6 +22,7 @@ processors and the tests want exact, reproducible arithmetic.
 from __future__ import annotations
 
 import importlib
+import os
 import platform
 import warnings
 from types import ModuleType
@@ -204,3 +205,24 @@ def device_name(device: torch.device | str) -> str:
     if mod is not None:
         return str(mod.get_device_name(device))
     return platform.processor() or platform.machine() or "cpu"
+
+
+def graphs_supported(device: torch.device | str) -> bool:
+    """Whether fixed-shape steps may be replayed as CUDA graphs (CUDA and ROCm; off with DRAFTSMITH_CUDA_GRAPHS=0)."""
+    return _device_type(device) == "cuda" and os.environ.get("DRAFTSMITH_CUDA_GRAPHS", "1") != "0"
+
+
+def capture_graph(fn, warmup: int = 2):
+    """Record `fn()` (fixed shapes, no host syncs) into a CUDA graph after `warmup` runs on a side stream, as
+    PyTorch's CUDA-graph notes require. Returns (replay, outputs): call `replay()` to rerun fn on whatever is now
+    in the input buffers it read; `outputs` are the tensors it wrote, overwritten by each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph.replay, outputs

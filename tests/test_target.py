@@ -69,3 +69,21 @@ def test_aux_id_out_of_range_is_a_clear_error():
     target = TargetModel(_tiny("llama"))
     with pytest.raises(TargetError, match="outside 0..4"):
         target.capture(torch.zeros(1, 3, dtype=torch.long), aux_layer_ids=[1, 5])
+
+
+def test_static_step_ignores_stale_cache_entries():
+    """The shape-static step (what CUDA graphs replay) attends over the whole cache masked by position, so K/V
+    left behind by a rejected draft must not change its result."""
+    model = _tiny("qwen3")
+    target = TargetModel(model)
+    ids = torch.randint(0, 128, (1, 10))
+    cache = target.new_cache(1, 24)
+    target.step(ids[:, :6], cache)
+    target.step(torch.randint(0, 128, (1, 5)), cache)  # rejected: stale entries at positions 6..10
+    cache.rollback(6)
+    positions = torch.arange(6, 10).unsqueeze(0)
+    logits, aux = target._layers_forward(ids[:, 6:], positions, cache, None, None, None, (2,), None)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    torch.testing.assert_close(logits, ref.logits[:, 6:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, ref.hidden_states[2][:, 6:], atol=1e-5, rtol=1e-5)

@@ -12,21 +12,24 @@ import dataclasses
 import difflib
 import importlib
 import json
+import math
 from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any
 
 from draftsmith import device as dev
 
-AVAILABLE_METHODS = ("eagle3", "eagle", "ngram")
-RESERVED_METHODS = ("mtp", "dflash", "suffix")  # vLLM methods draftsmith will run, not yet
+AVAILABLE_METHODS = ("eagle3", "eagle", "ngram", "suffix", "dflash")
+RESERVED_METHODS = ("mtp",)  # vLLM methods draftsmith will run, not yet
 
 # method -> "module:Class"; each class has `from_config(spec, target) -> Proposer`. Adding a method is adding a
 # row here, never a branch in the runtime.
 PROPOSERS = {
     "ngram": "draftsmith.inference.ngram:NgramProposer",
+    "suffix": "draftsmith.inference.suffix:SuffixProposer",
     "eagle3": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
     "eagle": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
+    "dflash": "draftsmith.models.dflash.proposer:DflashProposer",
 }
 
 # vLLM keys that do not change which tokens come out of this runtime.
@@ -38,10 +41,12 @@ IGNORED_KEYS = frozenset({
 UNSUPPORTED_KEYS = frozenset({
     "rejection_sample_method", "draft_sample_method", "spec_token_tree", "speculative_token_tree",
     "parallel_drafting", "num_speculative_tokens_per_batch_size", "synthetic_acceptance_rates",
-    "synthetic_acceptance_length", "n_predict", "suffix_decoding_max_tree_depth",
-    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+    "synthetic_acceptance_length", "n_predict",
 })
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's value for both bounds when neither is given
+# vLLM's suffix_decoding_* defaults (vllm/config/speculative.py); suffix's num_speculative_tokens defaults to the depth.
+SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 NPU_MAX_TOKENS_PER_ROUND = 16  # vllm-ascend: npu_fused_infer_attention_score verifies at most 16 tokens
 
 
@@ -56,6 +61,10 @@ class SpecConfig:
     model: str | None = None  # drafter checkpoint (eagle / eagle3)
     prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram tried
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram tried
+    suffix_decoding_max_tree_depth: int | None = None  # suffix: trie depth, caps match + draft length
+    suffix_decoding_max_cached_requests: int | None = None  # suffix: outputs kept in the global trie (0: none)
+    suffix_decoding_max_spec_factor: float | None = None  # suffix: draft length <= factor * match length
+    suffix_decoding_min_token_prob: float | None = None  # suffix: stop below this running probability
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -98,6 +107,24 @@ def _prompt_lookup_bounds(raw: Mapping[str, Any]) -> tuple[int, int]:
     return low, high
 
 
+def _suffix_options(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """suffix_decoding_* with vLLM's defaults and range checks (depth >= 1, requests >= 0, factor >= 0, prob in [0, 1])."""
+    opts = {key: raw.get(key, default) for key, default in SUFFIX_DEFAULTS.items()}
+    opts["suffix_decoding_max_tree_depth"] = _positive_int(
+        "suffix_decoding_max_tree_depth", opts["suffix_decoding_max_tree_depth"])
+    requests = opts["suffix_decoding_max_cached_requests"]
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 0:
+        raise SpecConfigError(f"speculative config: suffix_decoding_max_cached_requests must be an integer >= 0, "
+                              f"got {requests!r}")
+    for key, high in (("suffix_decoding_max_spec_factor", math.inf), ("suffix_decoding_min_token_prob", 1.0)):
+        value = opts[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+            bound = ">= 0" if high == math.inf else f"in [0, {high:g}]"
+            raise SpecConfigError(f"speculative config: {key} must be a number {bound}, got {value!r}")
+        opts[key] = float(value)
+    return opts
+
+
 def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | None = None) -> SpecConfig:
     """Parse a vLLM speculative config given as a JSON string or a dict.
 
@@ -124,6 +151,10 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
         raise SpecConfigError(f"speculative config: unknown key {key!r}{hint}")
 
     method = _check_method(raw.get("method"))
+    # suffix_decoding_* are accepted for every method, as vLLM does, but only mean something for suffix.
+    suffix = _suffix_options(raw) if method == "suffix" else {}
+    if raw.get("num_speculative_tokens") is None and suffix:  # vLLM: suffix drafts up to the tree depth
+        raw = {**raw, "num_speculative_tokens": suffix["suffix_decoding_max_tree_depth"]}
     if raw.get("num_speculative_tokens") is None:
         raise SpecConfigError("speculative config: 'num_speculative_tokens' is required (an integer > 0)")
     k = _positive_int("num_speculative_tokens", raw["num_speculative_tokens"])
@@ -143,7 +174,7 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
             f"use num_speculative_tokens <= {NPU_MAX_TOKENS_PER_ROUND - 1}"
         )
     return SpecConfig(method=method, num_speculative_tokens=k, model=model,
-                      prompt_lookup_max=high, prompt_lookup_min=low)
+                      prompt_lookup_max=high, prompt_lookup_min=low, **suffix)
 
 
 def build_proposer(spec: SpecConfig, target):

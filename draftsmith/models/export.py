@@ -1,6 +1,6 @@
 """`draftsmith export CHECKPOINT --format FORMAT --out DIR [--overwrite]`: write a checkpoint in an engine's format.
 
-Formats are a table, format name -> exporter; each exporter takes (checkpoint, out_dir, overwrite=...), checks the
+Formats are a table, format name -> exporter; each exporter takes (checkpoint, out_dir, overwrite=..., dtype=...), checks the
 checkpoint's method itself, validates before writing, writes all or nothing, and returns an `ExportResult`.
 Adding a format (speculators, dflash) means adding a row here and an exporter in its drafter's folder.
 """
@@ -12,11 +12,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from draftsmith.models.checkpoint import CheckpointError, ExportError, ExportResult
+from draftsmith.models.dflash.export import export_dflash
 from draftsmith.models.eagle3.export import export_native_eagle3
 
-Exporter = Callable[..., ExportResult]  # (checkpoint, out_dir, *, overwrite: bool) -> ExportResult
+Exporter = Callable[..., ExportResult]  # (checkpoint, out_dir, *, overwrite: bool, dtype) -> ExportResult
 
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
 EXPORTERS: dict[str, Exporter] = {
     "sglang": export_native_eagle3,  # native EAGLE-3: SGLang, and vLLM with "method": "eagle3"
 }
@@ -32,6 +36,8 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{k}: {v}" for k, v in FORMAT_HELP.items()))
     p.add_argument("--out", required=True, type=Path, help="folder to write (created; must be empty or absent)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(EXPORT_DTYPES),
+                   help="dtype of the exported weights (default bfloat16; 'keep' writes the fp32 master weights)")
 
 
 def _size(n: int) -> str:
@@ -45,7 +51,8 @@ def _size(n: int) -> str:
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        result = EXPORTERS[args.format](args.checkpoint, args.out, overwrite=args.overwrite)
+        result = EXPORTERS[args.format](args.checkpoint, args.out, overwrite=args.overwrite,
+                                        dtype=EXPORT_DTYPES[args.dtype])
     except (CheckpointError, ExportError) as e:
         print(f"draftsmith export: error: {e}", file=sys.stderr)
         return 2

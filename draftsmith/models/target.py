@@ -24,6 +24,8 @@ from torch import nn
 from draftsmith import device as dev
 
 SUPPORTED_STEP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+CACHE_GRANULE = 1024  # pooled caches grow in these steps
+MAX_GRAPHED_TOKENS = 64  # wider steps (prefill) run eagerly: one graph per prompt length would not pay off
 
 
 class TargetError(ValueError):
@@ -95,6 +97,9 @@ class TargetModel:
         self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self._graphs_on = dev.graphs_supported(self.device)
+        self._graphs: dict = {}  # (T, aux ids, logits_to_keep, cache id) -> (ids buffer, positions, replay, outputs)
+        self._pooled: dict[int, KVCache] = {}  # batch size -> reusable cache (CUDA only)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
@@ -169,8 +174,20 @@ class TargetModel:
 
     # ---- runtime: cached forward ---------------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
-        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
-                       self.dtype, self.device)
+        """An empty cache. On CUDA the cache of each batch size is pooled (reset and reused while it is long
+        enough, grown in steps of CACHE_GRANULE), so graphs captured on it stay valid across requests; a
+        TargetModel therefore serves one live request per batch size at a time."""
+        if not self._graphs_on:
+            return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
+                           self.dtype, self.device)
+        cache = self._pooled.get(batch_size)
+        if cache is None or cache.max_length < max_length:
+            length = -(-max_length // CACHE_GRANULE) * CACHE_GRANULE
+            self._graphs.clear()  # graphs point at the old cache's memory
+            cache = self._pooled[batch_size] = KVCache(self.num_layers, batch_size, self.num_kv_heads,
+                                                       self.head_dim, length, self.dtype, self.device)
+        cache.length = 0
+        return cache
 
     def _check_step_support(self):
         model_type = getattr(self.config, "model_type", "")
@@ -195,16 +212,33 @@ class TargetModel:
         end = start + num_new
         if end > cache.max_length:
             raise ValueError(f"KV cache overflow: {end} positions > max_length {cache.max_length}")
-        if position_ids is None:
-            position_ids = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, -1)
-        if attention_mask is None and num_new > 1:
-            key_pos = torch.arange(end, device=self.device)
-            query_pos = torch.arange(start, end, device=self.device)
-            attention_mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T, end)
+        aux_ids = tuple(self.check_aux_layer_ids(aux_layer_ids)) if aux_layer_ids is not None else ()
+        if (self._graphs_on and batch == 1 and num_new <= MAX_GRAPHED_TOKENS and attention_mask is None
+                and position_ids is None and cache is self._pooled.get(batch)):
+            logits, aux = self._graphed_step(input_ids, cache, aux_ids, logits_to_keep)
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, -1)
+            if attention_mask is None and num_new > 1:
+                key_pos = torch.arange(end, device=self.device)
+                query_pos = torch.arange(start, end, device=self.device)
+                attention_mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T, end)
+            logits, aux = self._layers_forward(input_ids, position_ids, cache, start, end, attention_mask, aux_ids,
+                                               logits_to_keep)
+        cache.length = end
+        return StepOutput(logits=logits, aux_hidden=aux)
 
-        aux_ids = self.check_aux_layer_ids(aux_layer_ids) if aux_layer_ids is not None else []
+    def _layers_forward(self, input_ids, position_ids, cache, start, end, attention_mask, aux_ids, logits_to_keep):
+        """The decoder stack over the cache. With `start`/`end` None the step is shape-static (for CUDA graphs):
+        K/V are scattered at `position_ids` and every query attends over the whole cache, masked by position, so
+        stale entries past the current length (rejected drafts) are never seen."""
+        batch, num_new = input_ids.shape
         wanted = set(aux_ids)
         recorded: dict[int, torch.Tensor] = {}
+        if start is None:
+            key_pos = torch.arange(cache.max_length, device=self.device)
+            attention_mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (B, 1, T, T_max)
+            slots = position_ids[0]  # (T,) rows share positions (B == 1)
 
         hidden = self.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = self.model.model.rotary_emb(hidden, position_ids)  # (B, T, hd)
@@ -222,21 +256,49 @@ class TargetModel:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache.keys[i, :, :, start:end] = k
-            cache.values[i, :, :, start:end] = v
-            out = attend(q, cache.keys[i, :, :, :end], cache.values[i, :, :, :end], attention_mask,
-                         scale=self.head_dim ** -0.5)  # (B, h, T, hd)
+            if start is None:
+                cache.keys[i].index_copy_(2, slots, k)
+                cache.values[i].index_copy_(2, slots, v)
+                keys, values = cache.keys[i], cache.values[i]
+            else:
+                cache.keys[i, :, :, start:end] = k
+                cache.values[i, :, :, start:end] = v
+                keys, values = cache.keys[i, :, :, :end], cache.values[i, :, :, :end]
+            out = attend(q, keys, values, attention_mask, scale=self.head_dim ** -0.5)  # (B, h, T, hd)
             out = out.transpose(1, 2).reshape(batch, num_new, -1)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if self.num_layers in wanted:
             recorded[self.num_layers] = hidden
-        cache.length = end
 
         kept = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
         logits = self.lm_head(self.final_norm(kept)).float()  # (B, T_kept, V)
         aux = torch.cat([recorded[i] for i in aux_ids], dim=-1) if aux_ids else None
-        return StepOutput(logits=logits, aux_hidden=aux)
+        return logits, aux
+
+    # ---- CUDA graphs for fixed-shape steps -----------------------------------------------------
+    def _graphed_step(self, input_ids, cache, aux_ids, logits_to_keep):
+        """Replay a captured graph of the static step for this (T, aux ids, logits_to_keep) on the pooled cache.
+
+        Only the inputs change between replays (token ids, positions), so decode and verify steps of a fixed
+        width cost one graph launch instead of hundreds of kernel launches."""
+        num_new = input_ids.shape[1]
+        key = (num_new, aux_ids, logits_to_keep, id(cache))
+        entry = self._graphs.get(key)
+        positions = torch.arange(cache.length, cache.length + num_new, device=self.device).unsqueeze(0)
+        if entry is None:
+            ids_buf, pos_buf = input_ids.clone(), positions.clone()
+
+            def run():
+                return self._layers_forward(ids_buf, pos_buf, cache, None, None, None, aux_ids, logits_to_keep)
+
+            replay, outputs = dev.capture_graph(run)
+            entry = self._graphs[key] = (ids_buf, pos_buf, replay, outputs)
+        ids_buf, pos_buf, replay, (logits, aux) = entry
+        ids_buf.copy_(input_ids)
+        pos_buf.copy_(positions)
+        replay()
+        return logits.clone(), aux.clone() if aux is not None else None
 
 
 def _rotate_half(x):

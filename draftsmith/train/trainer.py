@@ -28,6 +28,7 @@ from draftsmith.config import Recipe, recipe_to_dict, save_recipe
 # method name -> trainer-facing class ("module:Class"); adding a drafter adds a line here and a folder.
 METHODS = {
     "eagle3": "draftsmith.models.eagle3.training:Eagle3Method",
+    "dflash": "draftsmith.models.dflash.training:DflashMethod",
 }
 LATEST = "latest"
 STATE_DIR = "training_state"

@@ -274,7 +274,7 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
-def _check_vocab_maps(config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
+def check_vocab_maps(config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
     """d2t and t2d must describe the same sorted set of target ids (DESIGN.md §3, draft vocabulary)."""
     if int(t2d.sum()) != config["draft_vocab_size"]:
         return [f"t2d: {int(t2d.sum())} True entries, but draft_vocab_size is {config['draft_vocab_size']}"]
@@ -290,28 +290,35 @@ def _check_vocab_maps(config: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tens
     return []
 
 
-def check_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """(problems, warnings) for a native EAGLE-3 config + state dict. Problems make an export unloadable or wrong."""
-    problems, warnings = _check_config(config)
-    sizes_ok = all(_is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
-    if not sizes_ok or not isinstance(config.get(AUX_IDS_KEY), list):
-        return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
-    expected = expected_native_shapes(config)
+_check_vocab_maps = check_vocab_maps  # the name earlier callers used
 
+
+def check_state_dict(
+    config: dict[str, Any],
+    expected: dict[str, tuple[tuple[int, ...], str]],
+    tensors: dict[str, torch.Tensor],
+    optional: dict[str, tuple[tuple[int, ...], str]] | None = None,
+) -> list[str]:
+    """Names, shapes and dtypes of `tensors` against one consumer's contract; `optional` names may be absent.
+
+    Shared by every EAGLE-3 layout: only the names differ between them, not the shapes or the vocabulary maps.
+    """
+    problems: list[str] = []
+    allowed = {**expected, **(optional or {})}
     missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    unexpected = sorted(set(tensors) - set(allowed))
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors (engines would ignore them silently): {', '.join(unexpected)}")
     shapes_ok = True
-    for name in sorted(set(expected) & set(tensors)):
-        shape, why = expected[name]
+    for name in sorted(set(allowed) & set(tensors)):
+        shape, why = allowed[name]
         if tuple(tensors[name].shape) != shape:
             problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
             shapes_ok = False
     dtypes_ok = True
-    for name in sorted(set(expected) & set(tensors)):
+    for name in sorted(set(allowed) & set(tensors)):
         t = tensors[name]
         want = {"d2t": torch.int64, "t2d": torch.bool}.get(name)
         if want is not None and t.dtype != want:
@@ -319,9 +326,18 @@ def check_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]
             dtypes_ok = False
         elif want is None and not t.is_floating_point():
             problems.append(f"{name}: dtype {t.dtype}, expected a floating-point weight")
-    if "d2t" in tensors and "t2d" in tensors and shapes_ok and dtypes_ok:
-        problems += _check_vocab_maps(config, tensors["d2t"], tensors["t2d"])
-    return problems, warnings
+    if "d2t" in tensors and "t2d" in tensors and "d2t" in allowed and shapes_ok and dtypes_ok:
+        problems += check_vocab_maps(config, tensors["d2t"], tensors["t2d"])
+    return problems
+
+
+def check_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) for a native EAGLE-3 config + state dict. Problems make an export unloadable or wrong."""
+    problems, warnings = _check_config(config)
+    sizes_ok = all(_is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
+    if not sizes_ok or not isinstance(config.get(AUX_IDS_KEY), list):
+        return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
+    return problems + check_state_dict(config, expected_native_shapes(config), tensors), warnings
 
 
 def validate_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -360,9 +376,13 @@ def _draftsmith_config(ckpt: Path, raw: dict[str, Any]) -> Eagle3Config:
 
 
 def export_native_eagle3(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+    dtype: torch.dtype | None = torch.bfloat16,
 ) -> ExportResult:
-    """Build, validate and write config.json + model.safetensors + README.md into `out_dir`, all or nothing."""
+    """Build, validate and write config.json + model.safetensors + README.md into `out_dir`, all or nothing.
+
+    Floating-point weights are written in `dtype` (bf16 by default, as published drafters are; engines cast to
+    the target's dtype anyway); None keeps the checkpoint's fp32 master weights."""
     out_dir = Path(out_dir)
     ckpt = resolve_checkpoint(checkpoint)
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
@@ -375,7 +395,8 @@ def export_native_eagle3(
         config = native_config(cfg, step=step)
     except ValueError as e:  # aux ids with no SGLang form
         raise ExportError(f"{ckpt / CONFIG_FILE}: {e}") from None
-    tensors = {NATIVE_KEY_MAP.get(name, name): t for name, t in state.items()}  # unknown names kept, then refused
+    tensors = {NATIVE_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
+               for name, t in state.items()}  # unknown names kept, then refused
     problems, warnings = check_native_eagle3(config, tensors)
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as native EAGLE-3: " + "; ".join(problems))

@@ -1,0 +1,276 @@
+"""Suffix decoding (Oliaro et al. 2024, arXiv 2411.04975), as vLLM's `method: "suffix"` runs it.
+
+No model: drafts are the most frequent continuations of the context's last tokens, counted in two suffix tries,
+  * a *local* trie per request over its prompt + output, rebuilt by `begin`;
+  * a *global* trie over the outputs of earlier requests (and the current one's, as it grows), kept across
+    `begin` calls and bounded to the last `max_cached_requests` requests (oldest evicted first). This is how
+    suffix decoding learns across requests: agentic and templated workloads repeat whole answers.
+
+Counts. Each trie holds every substring of length <= `max_tree_depth` of its sequences; a node's `count` is how
+often its string occurs (end positions). The empirical probability of a continuation is count(child) / count(node),
+so the occurrence at the very end of the context, which has no continuation yet, counts in the denominator.
+
+Drafting (ArcticInference's path mode, the one vLLM uses). For every match length m = 1 .. min(L, depth) - 1 where
+the context's last m tokens occur in a trie, follow the most frequent child from their node, multiplying the
+running probability by count(child) / count(node); stop before a token whose running probability falls below
+`min_token_prob`, after floor(max_spec_factor * m) tokens (longer matches earn longer drafts), after the requested
+number of tokens, or at the trie's depth. A draft's score is the sum of its running probabilities (its expected
+accepted length if the counts were the truth). The best score over match lengths wins (the longer match on ties),
+and the global trie's draft replaces the local one only with a strictly higher score.
+
+Example, depth 24, factor 1, context [1 2 3 4 1 2]: m=1 "2" occurs twice, once followed by 3 -> draft [3]
+(p 0.5, score 0.5); m=2 "1 2" -> [3 4] (p 0.5, 0.5; score 1.0); m=3 "4 1 2" occurs once, no continuation.
+Draft [3 4] with scores log [0.5, 1.0].
+
+Cost in pure Python: appending a token touches one node per depth level (O(depth)); drafting walks at most
+depth - 1 match lengths with early exit at the first length that does not occur. Memory is one node per
+distinct substring of length <= depth, so keep `max_cached_requests` modest for long outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+
+SPEC_FACTOR_EPS = 1e-6  # floor(m * factor) must not lose a whole token to float rounding (1.0 * 3 -> 2.9999)
+
+
+class _Node:
+    __slots__ = ("children", "count", "best")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0  # occurrences of this node's string (end positions) in the trie's sequences
+        self.best: int | None = None  # token of the child with the highest count (first to reach it on ties)
+
+
+class SuffixTrie:
+    """All substrings of length <= `max_depth` of several token sequences, with occurrence counts.
+
+    A sequence is grown with `append`; `_active[seq]` holds the nodes of its current suffixes of lengths
+    1 .. max_depth-1 (longest first dropped), the only nodes a new token can extend.
+    """
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.root = _Node()
+        self._active: dict[int, list[_Node]] = {}  # seq id -> suffix nodes, index i = length i + 1
+        self._tokens: dict[int, list[int]] = {}  # seq id -> the sequence (kept to undo it in `remove`)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._tokens
+
+    def extend(self, seq_id: int, tokens) -> None:
+        for token in tokens:
+            self.append(seq_id, int(token))
+
+    def append(self, seq_id: int, token: int) -> None:
+        """Count the new token as the end of every suffix of length 1 .. max_depth: O(max_depth)."""
+        active = self._active.setdefault(seq_id, [])
+        self._tokens.setdefault(seq_id, []).append(token)
+        self.root.count += 1
+        child = self.root.children.get(token)
+        if child is None:
+            child = self.root.children[token] = _Node()
+        child.count += 1
+        grown = [child]  # the root has no `best`: drafts start at a matched node of depth >= 1
+        for node in active:  # suffix lengths 1 .. len(active)
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node()
+            child.count += 1
+            best = node.best
+            if best is None or (best != token and child.count > node.children[best].count):
+                node.best = token
+            grown.append(child)
+        # New suffixes have lengths 1 .. len(active)+1; the one of length max_depth cannot grow further.
+        self._active[seq_id] = grown[: self.max_depth - 1]
+
+    def remove(self, seq_id: int) -> None:
+        """Forget a sequence: uncount each of its substrings, drop nodes that no longer occur."""
+        tokens = self._tokens.pop(seq_id)
+        self._active.pop(seq_id, None)
+        for start in range(len(tokens)):
+            node = self.root
+            node.count -= 1
+            for token in tokens[start : start + self.max_depth]:
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[token]  # its whole subtree occurred only here
+                # Only a drop of the best child can change the best (the root keeps none).
+                if node.best == token:
+                    node.best = max(node.children, key=lambda t: node.children[t].count) if node.children else None
+                if child.count == 0:
+                    break
+                node = child
+
+    def match(self, pattern: list[int]) -> _Node | None:
+        """The node of `pattern` (a string of length <= max_depth), or None when it does not occur."""
+        node = self.root
+        for token in pattern:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+    def suffix_node(self, seq_id: int, length: int) -> _Node:
+        """The node of the last `length` tokens of sequence `seq_id` (1 <= length < max_depth): no walk needed."""
+        return self._active[seq_id][length - 1]
+
+
+def speculate_path(node: _Node, max_tokens: int, min_token_prob: float) -> tuple[list[int], list[float]]:
+    """Follow the most frequent child from `node`: draft tokens and each one's count(child) / count(parent).
+
+    Stops before the token whose running probability (the product of those ratios) falls below `min_token_prob`.
+    """
+    tokens, ratios = [], []
+    prob = 1.0
+    while len(tokens) < max_tokens and node.best is not None:
+        child = node.children[node.best]
+        ratio = child.count / node.count
+        prob *= ratio
+        if prob < min_token_prob:
+            break
+        tokens.append(node.best)
+        ratios.append(ratio)
+        node = child
+    return tokens, ratios
+
+
+def path_score(ratios: list[float]) -> float:
+    """Sum of running probabilities: the draft's expected accepted length if the counts were the truth."""
+    score, prob = 0.0, 1.0
+    for ratio in ratios:
+        prob *= ratio
+        score += prob
+    return score
+
+
+class SuffixProposer:
+    """Drafts by suffix decoding over prompt + output (local) and earlier outputs (global). No target features.
+
+    The object is the cache: one proposer serves a whole run, and `begin` keeps the global trie, so later
+    requests draft from earlier answers.
+    """
+
+    aux_layer_ids = None
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ):
+        if max_tree_depth < 1 or max_cached_requests < 0 or max_spec_factor < 0 or not 0 <= min_token_prob <= 1:
+            raise ValueError(
+                "suffix: need suffix_decoding_max_tree_depth >= 1, suffix_decoding_max_cached_requests >= 0, "
+                "suffix_decoding_max_spec_factor >= 0 and 0 <= suffix_decoding_min_token_prob <= 1"
+            )
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_tree_depth = max_tree_depth
+        self.max_cached_requests = max_cached_requests  # 0: no global trie (vLLM: prompt trees only)
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_trie = SuffixTrie(max_tree_depth)
+        self._cached: dict[int, None] = {}  # request ids whose outputs are in the global trie, oldest first
+        self._next_request = 0
+        self._requests: list[int] = []  # per row: its request id (its sequence id in the global trie)
+        self._locals: list[SuffixTrie] = []  # per row: trie over prompt + output (sequence id 0)
+        self._contexts: list[list[int]] = []  # per row: prompt + committed output
+        self._paired: list[int] = []  # per row: positions whose next token `extend` has given (Proposer docs)
+
+    @classmethod
+    def from_config(cls, spec, target=None) -> "SuffixProposer":
+        return cls(
+            spec.num_speculative_tokens,
+            max_tree_depth=spec.suffix_decoding_max_tree_depth,
+            max_cached_requests=spec.suffix_decoding_max_cached_requests,
+            max_spec_factor=spec.suffix_decoding_max_spec_factor,
+            min_token_prob=spec.suffix_decoding_min_token_prob,
+        )
+
+    @property
+    def cached_requests(self) -> list[int]:
+        """Ids of the requests whose outputs are in the global trie, oldest first (ids count `begin` rows)."""
+        return list(self._cached)
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        rows = prompt_ids.detach().to("cpu", torch.long).tolist()  # (B, S)
+        self._locals, self._contexts, self._requests, self._paired = [], [], [], []
+        for row in rows:
+            local = SuffixTrie(self.max_tree_depth)
+            local.extend(0, row)
+            self._locals.append(local)
+            self._contexts.append(list(row))
+            self._paired.append(0)
+            self._requests.append(self._next_request)
+            if self.max_cached_requests > 0:
+                self._cached[self._next_request] = None
+            self._next_request += 1
+        while len(self._cached) > self.max_cached_requests:  # FIFO eviction, as ArcticInference does
+            oldest = next(iter(self._cached))
+            del self._cached[oldest]
+            if oldest in self.global_trie:
+                self.global_trie.remove(oldest)
+
+    def extend(self, token_ids: Tensor, aux_hidden: Tensor | None = None) -> None:
+        rows = token_ids.detach().to("cpu", torch.long).tolist()  # (B, n)
+        if len(rows) != len(self._contexts):
+            raise ValueError(f"suffix: extend got {len(rows)} rows for {len(self._contexts)} requests; call begin first")
+        for b, row in enumerate(rows):
+            row = [t for t in row if t != PAD_DRAFT_TOKEN]
+            context = self._contexts[b]
+            # row[j] is the token at position paired + 1 + j; positions already in the context restate the prompt.
+            new = row[max(0, len(context) - self._paired[b] - 1) :]
+            self._paired[b] += len(row)
+            context.extend(new)
+            self._locals[b].extend(0, new)
+            if self._requests[b] in self._cached:
+                self.global_trie.extend(self._requests[b], new)
+
+    def draft(self, row: int, max_spec_tokens: int) -> tuple[list[int], list[float]]:
+        """Best draft for one row: its tokens and their count ratios (see the module docstring)."""
+        context, local = self._contexts[row], self._locals[row]
+        longest = min(len(context), self.max_tree_depth) - 1  # a match leaves room for one token in the trie
+        best: tuple[float, list[int], list[float]] = (0.0, [], [])
+        for is_local in (True, False):
+            winner = (0.0, [], [])
+            for m in range(1, longest + 1):
+                if is_local:
+                    node = local.suffix_node(0, m)  # always present: the context itself ends here
+                    if node.count == 1:  # only that occurrence: neither this nor any longer suffix recurs
+                        break
+                else:
+                    node = self.global_trie.match(context[-m:])
+                    if node is None:  # nor does any longer suffix
+                        break
+                budget = min(max_spec_tokens, int(m * self.max_spec_factor + SPEC_FACTOR_EPS))
+                tokens, ratios = speculate_path(node, budget, self.min_token_prob)
+                score = path_score(ratios)
+                if tokens and score >= winner[0]:  # ties: the longer match
+                    winner = (score, tokens, ratios)
+            if winner[0] > best[0]:  # the global draft replaces the local one only when strictly better
+                best = winner
+        return best[1], best[2]
+
+    def propose(self, num_tokens: int) -> Proposal:
+        k = max(0, min(num_tokens, self.num_speculative_tokens))
+        batch = len(self._contexts)
+        token_ids = np.full((batch, k), PAD_DRAFT_TOKEN, dtype=np.int64)  # (B, k)
+        scores = np.full((batch, k), -math.inf, dtype=np.float32)  # (B, k) log count ratio, -inf past lengths
+        lengths = np.zeros(batch, dtype=np.int64)  # (B,)
+        for b in range(batch):
+            tokens, ratios = self.draft(b, k) if k else ([], [])
+            token_ids[b, : len(tokens)] = tokens
+            scores[b, : len(tokens)] = np.log(ratios) if tokens else []
+            lengths[b] = len(tokens)
+        # Drafts stay on the CPU: the runtime reads their lengths without a device sync and copies them once.
+        return Proposal(torch.from_numpy(token_ids), torch.from_numpy(lengths), torch.from_numpy(scores))

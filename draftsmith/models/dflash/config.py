@@ -1,0 +1,202 @@
+"""DFlash drafter configuration: the shape of the draft layers, the block, and the link to the target.
+
+One flat dataclass, saved as the `config.json` of a draftsmith checkpoint (with `"method": "dflash"`), from which
+the `--format dflash` export is derived. Target layers are kept in the *output-of-layer* convention that
+`dflash_config.target_layer_ids` uses in vLLM's and SGLang's DFlash loaders and in z-lab's checkpoints:
+
+    output-of-layer id i (dflash_config)    0       1       2     ...  i
+    capture id (DESIGN.md §3, vLLM aux)     1       2       3     ...  i + 1
+    Hugging Face output_hidden_states       [1]     [2]     [3]   ...  [i + 1]
+
+The mask token: with `mask_token_id` set, mask slots are embedded by the target's (frozen) embedding row of that
+id, as the reference does. Without it, the drafter learns its own `mask_embedding`; `mask_token_id` then records
+the spare id engines substitute it at (vLLM reads the vector from `mask_embedding.pt`), or None if there is none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import LlamaConfig, PretrainedConfig
+
+METHOD = "dflash"
+# Loss decay per block size from the DFlash paper (methods.md §2.2): w_k = exp(-(k - 1) / gamma).
+PAPER_LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+class DflashConfigError(ValueError):
+    """A DFlash setting that cannot work with this target; the message says which key to change."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """`num_features` output-of-layer ids spread evenly from layer 1 to L-3, as z-lab's and SGLang's
+    `build_target_layer_ids` do ([1, 9, 17, 25, 33] for 36-layer Qwen3-8B)."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    ids = [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+    if end < start or len(set(ids)) < num_features:  # tiny targets (tests): spread over all layers instead
+        last = num_target_layers - 1
+        ids = sorted({int(round(i * last / (num_features - 1))) for i in range(num_features)})
+    if len(ids) < num_features:
+        raise DflashConfigError(
+            f"dflash.num_target_layers={num_features} distinct layers do not exist in a {num_target_layers}-layer "
+            f"target: set dflash.num_target_layers <= {num_target_layers} or list dflash.target_layer_ids"
+        )
+    return ids
+
+
+def default_loss_gamma(block_size: int) -> float:
+    return PAPER_LOSS_GAMMA.get(block_size, block_size / 2)
+
+
+def spare_token_id(tokenizer, vocab_size: int) -> int | None:
+    """A token id the target never generates, for engines to mark mask slots with.
+
+    First choice: an embedding row no token maps to (Qwen3: 151669, the id z-lab's checkpoints use); then the
+    last `reserved` special token (Llama 3); then the pad token when it is neither EOS nor BOS. None otherwise.
+    """
+    used = set(tokenizer.get_vocab().values())
+    for i in range(vocab_size):
+        if i not in used:
+            return i
+    reserved = [i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                if "reserved" in str(tok).lower() and i < vocab_size]
+    if reserved:
+        return max(reserved)
+    pad = tokenizer.pad_token_id
+    if pad is not None and pad not in (tokenizer.eos_token_id, tokenizer.bos_token_id) and pad < vocab_size:
+        return pad
+    return None
+
+
+def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
+    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
+    params = getattr(target, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(target, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = float(getattr(target, "rope_theta", 10000.0))
+    return scaling
+
+
+@dataclass
+class DflashDrafterConfig:
+    hidden_size: int  # = the target's: the block is embedded by the target's embedding, read out by its head
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary
+    num_hidden_layers: int  # draft decoder layers
+    block_size: int
+    target_layer_ids: list[int]  # output-of-layer convention (module docstring)
+    num_target_layers: int  # the target's depth
+    mask_token_id: int | None
+    learned_mask: bool  # True: mask slots use the drafter's own `mask_embedding`
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    target_name_or_path: str = ""
+    target_architectures: list[str] = field(default_factory=list)
+    target_model_type: str = ""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    method: str = METHOD
+
+    def __post_init__(self) -> None:
+        ids = list(self.target_layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
+        if bad or not ids:
+            raise DflashConfigError(
+                f"dflash.target_layer_ids {ids}: each id must be in 0..{self.num_target_layers - 1} for this "
+                f"{self.num_target_layers}-layer target (id i = output of layer i)"
+            )
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise DflashConfigError(f"dflash.target_layer_ids {ids}: must be strictly increasing")
+        if self.block_size < 2:
+            raise DflashConfigError(f"dflash.block_size {self.block_size}: a block needs the anchor and >= 1 mask")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise DflashConfigError(
+                f"dflash.mask_token_id {self.mask_token_id}: outside the target vocabulary 0..{self.vocab_size - 1}"
+            )
+        if not self.learned_mask and self.mask_token_id is None:
+            raise DflashConfigError("dflash: mask slots need dflash.mask_token_id or a learned mask embedding")
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """Capture ids (DESIGN.md §3) of the target features: output of layer i = capture id i + 1."""
+        return [i + 1 for i in self.target_layer_ids]
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PretrainedConfig,
+        num_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        num_features: int = 5,
+        mask_token_id: int | None = None,
+        learned_mask: bool = False,
+        target_name_or_path: str = "",
+    ) -> "DflashDrafterConfig":
+        """Draft layers shaped like the target's decoder layers, in the Qwen3 layout (q/k norm, no biases)."""
+        depth = target.num_hidden_layers
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(depth, num_features)
+        heads = target.num_attention_heads
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
+            vocab_size=target.vocab_size,
+            num_hidden_layers=num_layers,
+            block_size=block_size,
+            target_layer_ids=ids,
+            num_target_layers=depth,
+            mask_token_id=mask_token_id,
+            learned_mask=learned_mask,
+            rms_norm_eps=getattr(target, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(target, "max_position_embeddings", 4096),
+            rope_parameters=rope_parameters_of(target),
+            target_name_or_path=target_name_or_path or getattr(target, "_name_or_path", ""),
+            target_architectures=list(getattr(target, "architectures", None) or []),
+            target_model_type=getattr(target, "model_type", ""),
+            bos_token_id=getattr(target, "bos_token_id", None),
+            eos_token_id=getattr(target, "eos_token_id", None),
+            pad_token_id=getattr(target, "pad_token_id", None),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DflashDrafterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise DflashConfigError(f"DFlash config: unknown keys {unknown}")
+        if d.get("method", METHOD) != METHOD:
+            raise DflashConfigError(f"DFlash config: method {d.get('method')!r}, expected {METHOD!r}")
+        return cls(**d)
+
+    def llama_config(self) -> LlamaConfig:
+        """A `LlamaConfig` for the transformers building blocks (RoPE, gated MLP) the draft layers reuse."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=self.num_hidden_layers,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+        )

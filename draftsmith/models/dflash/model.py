@@ -1,0 +1,284 @@
+"""The DFlash drafter: a block of [anchor, mask, ..., mask] denoised in one pass, conditioned on target features.
+
+Shapes: H = hidden size (the target's), n = fused target layers, B_k = block size, S = context length.
+
+    fc, hidden_norm:  (n*H) -> H                 fuse the target features of each context position: c_t
+    layers (Qwen3 layout, q/k norm):             queries from the block only; keys/values = [K(c); K(block)]
+        context K/V = k_norm(k_proj(c)) with RoPE at the context positions, v_proj(c) (no input_layernorm)
+    norm, then the target's frozen lm_head       (not part of this module)
+
+Position alignment (z-lab's `dflash_generate`, SpecForge's training mask): the anchor x_a is the last committed
+token; the target has features for positions < a only (it has not run x_a yet), so a block sees context c_0..c_{a-1}
+and, bidirectionally, its own B_k slots. Slot k sits at position a + k and predicts the token *at* a + k:
+
+    position   ... a-2   a-1 |  a       a+1    a+2   ...  a+B_k-1
+    context    ... c     c   |
+    block                    |  x_a     MASK   MASK  ...  MASK
+    predicts                 |  -       x_a+1  x_a+2 ...  x_a+B_k-1
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from draftsmith.models.dflash.config import DflashConfigError, DflashDrafterConfig
+from draftsmith.models.target import KVCache, attend
+
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """Training mask (B, N*B_k, S + N*B_k), True = may attend, for keys laid out [context | block 0 | block 1 | ...].
+
+    A query of block j sees context positions < anchor_j and every slot of block j; no other block. A padding
+    block (anchor 0) sees only itself, which keeps its softmax finite; its slots carry no loss.
+    """
+    batch, n = anchor_positions.shape
+    device = anchor_positions.device
+    q_block = torch.arange(n * block_size, device=device) // block_size  # (Q,)
+    anchor_of_query = anchor_positions[:, q_block]  # (B, Q)
+    context = torch.arange(context_length, device=device)[None, None, :] < anchor_of_query[:, :, None]  # (B, Q, S)
+    same_block = (q_block[:, None] == q_block[None, :]).expand(batch, -1, -1)  # (B, Q, Q)
+    return torch.cat([context, same_block], dim=-1)
+
+
+class DflashAttention(nn.Module):
+    def __init__(self, config: DflashDrafterConfig):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = LlamaRMSNorm(hd, eps=config.rms_norm_eps)  # per-head RMSNorm before RoPE (Qwen3)
+        self.k_norm = LlamaRMSNorm(hd, eps=config.rms_norm_eps)
+
+    def query(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)  # (B, h, T, hd)
+        return _apply_rope(q, cos, sin)
+
+    def key_value(self, x, cos, sin):
+        """Rotated keys and values (B, kv, T, hd) of x (B, T, H): block tokens, or fused context features."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(k, cos, sin), v
+
+
+class DflashLayer(nn.Module):
+    """A Qwen3 decoder layer whose attention over [context; block] is supplied by the caller (`attend_fn`), so
+    training (one mask over all blocks) and the runtime (cached context) share every weight and op."""
+
+    def __init__(self, config: DflashDrafterConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DflashAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config.llama_config())
+
+    def forward(self, hidden, cos, sin, attend_fn):
+        b, t, _ = hidden.shape
+        x = self.input_layernorm(hidden)
+        q = self.self_attn.query(x, cos, sin)
+        k, v = self.self_attn.key_value(x, cos, sin)
+        out = attend_fn(q, k, v)  # (B, h, T, hd)
+        hidden = hidden + self.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DflashDrafter(nn.Module):
+    def __init__(self, config: DflashDrafterConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DflashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        if config.learned_mask:
+            self.mask_embedding = nn.Parameter(torch.zeros(h))
+        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+
+    def rope(self, like, position_ids):
+        cos, sin = self.rotary_emb(like, position_ids)  # (B, T, hd)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+
+    def fuse(self, aux_hidden):
+        """Context features c_t = hidden_norm(fc(aux_t)): (B, T, n*H) -> (B, T, H)."""
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    def mask_vector(self, mask_embed: torch.Tensor | None) -> torch.Tensor:
+        """The (H,) input of every mask slot: the learned one, or the target's embedding row passed in."""
+        if self.config.learned_mask:
+            return self.mask_embedding
+        if mask_embed is None:
+            raise ValueError("this drafter embeds masks with the target's row of mask_token_id: pass mask_embed")
+        return mask_embed.to(self.fc.weight.dtype)
+
+    def block_inputs(self, anchor_embeds, mask_embed=None):
+        """(B, N, H) anchor embeddings -> (B, N*B_k, H) blocks [anchor, mask, ..., mask]."""
+        b, n, h = anchor_embeds.shape
+        masks = self.mask_vector(mask_embed).expand(b, n, self.config.block_size - 1, h)
+        blocks = torch.cat([anchor_embeds.to(masks.dtype).unsqueeze(2), masks], dim=2)  # (B, N, B_k, H)
+        return blocks.reshape(b, n * self.config.block_size, h)
+
+    # ---- training: all blocks of a sequence in one pass -------------------------------------------------------
+    def forward(self, aux_hidden, anchor_embeds, anchor_positions, mask_embed=None):
+        """aux_hidden (B, S, n*H): target features at positions 0..S-1; anchor_embeds (B, N, H): embeddings of the
+        anchor tokens at anchor_positions (B, N). Returns final-normed hidden states (B, N, B_k, H)."""
+        b, s, _ = aux_hidden.shape
+        n, bk = anchor_positions.shape[1], self.config.block_size
+        device = aux_hidden.device
+        context = self.fuse(aux_hidden)  # (B, S, H)
+        hidden = self.block_inputs(anchor_embeds, mask_embed)  # (B, N*B_k, H)
+        ctx_cos, ctx_sin = self.rope(context, torch.arange(s, device=device).unsqueeze(0).expand(b, -1))
+        block_pos = (anchor_positions.unsqueeze(-1) + torch.arange(bk, device=device)).reshape(b, n * bk)
+        cos, sin = self.rope(hidden, block_pos)
+        mask = block_attention_mask(anchor_positions, s, bk).unsqueeze(1)  # (B, 1, N*B_k, S + N*B_k)
+        scale = self.config.head_dim ** -0.5
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.key_value(context, ctx_cos, ctx_sin)  # (B, kv, S, hd)
+
+            def attend_all(q, k, v, ctx_k=ctx_k, ctx_v=ctx_v):
+                return attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, scale)
+
+            hidden = layer(hidden, cos, sin, attend_all)
+        return self.norm(hidden).view(b, n, bk, -1)
+
+    # ---- runtime: cached context, one block per step -------------------------------------------------------------
+    def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_length,
+                       dtype, device)
+
+    def extend_context(self, aux_hidden, cache: KVCache) -> None:
+        """Append the context K/V of T committed positions (cache.length ..) to every layer; aux_hidden (B, T, n*H)."""
+        b, t, _ = aux_hidden.shape
+        start, end = cache.length, cache.length + t
+        if end > cache.max_length:
+            raise ValueError(f"DFlash context cache overflow: {end} > {cache.max_length}")
+        context = self.fuse(aux_hidden)  # (B, T, H)
+        cos, sin = self.rope(context, torch.arange(start, end, device=context.device).unsqueeze(0).expand(b, -1))
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(context, cos, sin)
+            cache.keys[i, :, :, start:end] = k
+            cache.values[i, :, :, start:end] = v
+        cache.length = end
+
+    def draft_block(self, block_embeds, cache: KVCache):
+        """Run one block (B, B_k, H) at positions cache.length.., seeing all cached context and itself.
+
+        The block's own K/V go into the cache slots after the context and are left there unclaimed (cache.length
+        does not move), so the next `extend_context` overwrites them: the cache only ever holds the context.
+        Returns the final-normed hidden states (B, B_k, H).
+        """
+        b, t, _ = block_embeds.shape
+        start, end = cache.length, cache.length + t
+        if end > cache.max_length:
+            raise ValueError(f"DFlash context cache overflow: {end} > {cache.max_length}")
+        hidden = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rope(hidden, torch.arange(start, end, device=hidden.device).unsqueeze(0).expand(b, -1))
+        scale = self.config.head_dim ** -0.5
+        for i, layer in enumerate(self.layers):
+
+            def attend_cached(q, k, v, i=i):
+                cache.keys[i, :, :, start:end] = k
+                cache.values[i, :, :, start:end] = v
+                return attend(q, cache.keys[i, :, :, :end], cache.values[i, :, :, :end], None, scale)
+
+            hidden = layer(hidden, cos, sin, attend_cached)
+        return self.norm(hidden)
+
+
+def init_drafter(drafter: DflashDrafter, target_embedding: torch.Tensor, std: float = 0.02) -> None:
+    """Normal(0, std) projections as Hugging Face initialises Qwen3; a learned mask embedding starts as a
+    typical target embedding (per-dimension mean and spread of the rows), never zero, which RMSNorm would
+    turn into an all-zero query that cannot tell the mask slots apart."""
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+        if drafter.config.learned_mask:
+            rows = target_embedding.float()
+            mean, spread = rows.mean(0), rows.std(0)
+            noise = torch.randn(rows.shape[1], device=rows.device)
+            drafter.mask_embedding.copy_((mean + spread * noise).to(drafter.mask_embedding.dtype))
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------
+class DrafterLoadError(ValueError):
+    """A folder that holds no DFlash drafter draftsmith can read."""
+
+
+def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str, torch.Tensor]]:
+    """Config and tensors (draftsmith names) of a draftsmith DFlash checkpoint or a `--format dflash` export."""
+    from safetensors.torch import load_file
+
+    from draftsmith.models.dflash.export import config_from_export
+
+    folder = Path(path)
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise DrafterLoadError(f"{folder}: expected config.json and model.safetensors of a DFlash drafter")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterLoadError(f"{config_path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    tensors = load_file(str(weights_path))
+    try:
+        if raw.get("method") == "dflash":
+            return DflashDrafterConfig.from_dict(raw), tensors
+        if "DFlashDraftModel" in (raw.get("architectures") or []):
+            mask_file = folder / MASK_EMBEDDING_FILE
+            if mask_file.is_file():
+                tensors["mask_embedding"] = read_mask_embedding(mask_file, raw)
+            return config_from_export(raw, learned_mask=mask_file.is_file()), tensors
+    except (DflashConfigError, KeyError, TypeError) as e:
+        raise DrafterLoadError(f"{config_path}: {e}") from None
+    raise DrafterLoadError(f"{config_path}: not a DFlash drafter (no \"method\": \"dflash\" and architectures "
+                           f"{raw.get('architectures')} are not ['DFlashDraftModel'])")
+
+
+def read_mask_embedding(path: Path, config: dict) -> torch.Tensor:
+    """vLLM's `mask_embedding.pt`: a tensor, or {"mask_token_id": id, "embedding": tensor}; returns (H,)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        want = (config.get("dflash_config") or {}).get("mask_token_id")
+        if state.get("mask_token_id", want) != want:
+            raise DrafterLoadError(f"{path}: mask_token_id {state.get('mask_token_id')} differs from "
+                                   f"dflash_config.mask_token_id {want}")
+        state = state["embedding"]
+    return state.reshape(-1)
+
+
+def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DflashDrafter:
+    """An eval-mode drafter; a draftsmith output_dir means its latest checkpoint."""
+    from draftsmith.models.checkpoint import resolve_checkpoint
+
+    config, tensors = read_drafter_folder(resolve_checkpoint(path))
+    drafter = DflashDrafter(config)
+    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise DrafterLoadError(f"{path}: drafter tensors do not match its config (missing {missing}, "
+                               f"unexpected {unexpected})")
+    drafter.to(device=device, dtype=dtype)
+    # .to(dtype) also rounds RoPE's inverse frequencies; rebuild them in float32.
+    drafter.rotary_emb = LlamaRotaryEmbedding(config.llama_config()).to(device)
+    return drafter.eval()

@@ -1,0 +1,70 @@
+"""What the trainer needs from DFlash: build the drafter, compute its loss from captured target states."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.models.dflash.config import (
+    DflashConfigError,
+    DflashDrafterConfig,
+    default_loss_gamma,
+    spare_token_id,
+)
+from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax
+from draftsmith.models.dflash.model import DflashDrafter, init_drafter
+from draftsmith.models.target import TargetModel
+
+
+def _engine_mask_token_id(target_path: str, vocab_size: int) -> int | None:
+    """The spare token id engines will mark mask slots with (config.spare_token_id), or None."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+    except (OSError, ValueError):
+        return None
+    return spare_token_id(tokenizer, vocab_size)
+
+
+class DflashMethod:
+    name = "dflash"
+
+    def __init__(self, recipe, target: TargetModel):
+        section = recipe.dflash
+        if recipe.model.aux_layer_ids is not None:
+            raise DflashConfigError(
+                "model.aux_layer_ids is EAGLE-3's setting; for model.method dflash set dflash.target_layer_ids "
+                "(output-of-layer ids, i.e. capture id - 1) and leave model.aux_layer_ids null"
+            )
+        self.target = target
+        learned = section.mask_token_id is None
+        mask_id = section.mask_token_id if not learned else _engine_mask_token_id(recipe.model.target,
+                                                                                 target.vocab_size)
+        self.config = DflashDrafterConfig.from_target(
+            target.config, num_layers=section.num_layers, block_size=section.block_size,
+            target_layer_ids=section.target_layer_ids, num_features=section.num_target_layers,
+            mask_token_id=mask_id, learned_mask=learned, target_name_or_path=recipe.model.target,
+        )
+        self.aux_layer_ids = self.config.aux_layer_ids
+        self.num_anchors = section.anchors_per_sequence
+        self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
+
+    def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> DflashDrafter:
+        """An fp32 drafter (master weights). d2t/t2d are unused: DFlash reads out with the target's full head."""
+        drafter = DflashDrafter(self.config).to(self.target.device)
+        init_drafter(drafter, self.target.embed_tokens.weight)
+        return drafter
+
+    def loss(self, drafter, batch: dict[str, torch.Tensor]):
+        """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        captured = self.target.capture(input_ids, batch["attention_mask"], self.aux_layer_ids)
+        teacher = teacher_argmax(captured.last_hidden, self.target.lm_head)  # (B, S)
+        anchors, block_valid = sample_anchors(loss_mask, self.num_anchors)  # (B, N)
+        with torch.no_grad():
+            embed = self.target.embed_tokens
+            anchor_embeds = embed(input_ids.gather(1, anchors))  # (B, N, H) frozen
+            mask_embed = None if self.config.learned_mask else embed.weight[self.config.mask_token_id]
+        hidden = drafter(captured.aux_hidden, anchor_embeds, anchors, mask_embed)  # (B, N, B_k, H)
+        labels, valid = block_labels(teacher, loss_mask, anchors, block_valid, self.config.block_size)
+        return dflash_loss(hidden, self.target.lm_head.weight, labels, valid, self.gamma)

@@ -1,0 +1,538 @@
+"""The vllm-project/speculators layout of an EAGLE-3 drafter: what `vllm serve DIR` and the `speculators` package load.
+
+Checked against speculators 0.9.0 (`speculators/config.py`, `models/eagle3/{config,core,model_definitions}.py`)
+and vLLM's reader (`transformers_utils/configs/speculators/{base,algos}.py`, engines.md §1.7):
+
+- `config.json`: `speculators_model_type: "eagle3"`, a Llama-shaped `transformer_layer_config` (vLLM builds the
+  draft model from it alone, so it carries every layer size, RoPE and `max_position_embeddings`), the Eagle3 flags
+  at the top level, and `speculators_config` = {algorithm, proposal_methods, default_proposal_method, verifier}.
+  vLLM serves `speculators_config.verifier.name_or_path` as the target and drafts
+  `proposal_methods[0].speculative_tokens` tokens.
+- tensors: draftsmith's names with `midlayer.` spelled `layers.0.`, plus `embed_tokens.weight` (the target's
+  embedding; optional: vLLM shares the target's and the speculators package loads it from the verifier when absent).
+
+Where the consumers disagree, draftsmith writes the value that makes them agree:
+
+- `norm_before_residual`: speculators reads a missing key as false, vLLM's speculators path as true. Always
+  written, always false (the residual is the un-normed hidden branch, DESIGN.md §3).
+- aux ids: both read `eagle_aux_hidden_state_layer_ids` as capture ids (id k = HF `output_hidden_states[k]`), the
+  same as draftsmith; when the key is missing both fall back to `(2, L//2, L-3)`. Always written.
+- `target_hidden_size`: vLLM sizes `fc` from it; the speculators package ignores it and assumes the target's width
+  equals the draft's. Written; a difference is reported as a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.models.checkpoint import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    RECIPE_FILE,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    ExportError,
+    ExportResult,
+    atomic_output_dir,
+    check_output_dir,
+    draftsmith_version,
+    load_checkpoint,
+    read_optional_json,
+    resolve_checkpoint,
+    save_safetensors_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from draftsmith.models.eagle3.config import METHOD, Eagle3Config
+from draftsmith.models.eagle3.export import (
+    AUX_IDS_KEY,
+    NATIVE_KEY_MAP,
+    NUM_SPECULATIVE_TOKENS,
+    _legacy_rope,
+    check_state_dict,
+    eagle3_serve_commands,
+    expected_native_shapes,
+)
+from draftsmith.models.model_card import render_model_card
+
+SPECULATORS_MODEL_TYPE = "eagle3"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
+ARCHITECTURE = "Eagle3DraftModel"  # what the speculators package's save_pretrained writes; vLLM replaces it
+EMBED_KEY = "embed_tokens.weight"
+TAGS = ["speculative-decoding", "eagle3", "draftsmith", "vllm", "speculators"]
+# Flags of speculators' Eagle3 that change the forward pass; draftsmith's drafter implements all of them as False.
+FORWARD_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class SpeculatorsFormatError(ValueError):
+    """A speculators-format config that draftsmith cannot read or whose drafter draftsmith does not implement."""
+
+
+def to_speculators_name(name: str) -> str:
+    """draftsmith tensor name -> speculators tensor name (`midlayer.` is the first of `layers`)."""
+    name = NATIVE_KEY_MAP.get(name, name)
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def from_speculators_name(name: str) -> str:
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
+# The contract as a table {draftsmith name: speculators name}; a tensor outside it is refused.
+SPECULATORS_KEY_MAP: dict[str, str] = {ours: to_speculators_name(ours) for ours in NATIVE_KEY_MAP}
+
+
+# ---- the target's files, found without the network ----------------------------------------------------------
+def find_target_file(target: str, filename: str) -> Path | None:
+    """`filename` of the target: in its folder when `target` is a path, else in the Hugging Face cache (offline)."""
+    if not target:
+        return None
+    if Path(target).is_dir():
+        path = Path(target) / filename
+        return path if path.is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(target, filename)
+    except Exception:  # not a repo id (a missing path, say): nothing cached under it
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def read_target_config(target: str) -> dict[str, Any] | None:
+    """The target's config.json as a dict (its `text_config` for multimodal targets), or None if not local."""
+    path = find_target_file(target, CONFIG_FILE)
+    if path is None:
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        return {"architectures": config.get("architectures"), **config["text_config"]}
+    return config if isinstance(config, dict) else None
+
+
+def load_target_embedding(target: str) -> tuple[torch.Tensor | None, str]:
+    """(the target's input embedding, "") or (None, why not). Reads that one tensor, never the whole target."""
+    from safetensors import SafetensorError, safe_open
+
+    index_path = find_target_file(target, "model.safetensors.index.json")
+    if index_path is not None:
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            return None, f"{index_path}: unreadable safetensors index ({e})"
+    else:
+        single = find_target_file(target, WEIGHTS_FILE)
+        if single is None:
+            return None, f"target {target!r} has no safetensors weights in a local folder or the Hugging Face cache"
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), WEIGHTS_FILE)
+        except (SafetensorError, OSError) as e:
+            return None, f"{single}: cannot read ({e})"
+    # Llama/Qwen name it model.embed_tokens.weight; multimodal targets nest it deeper. Shortest match wins.
+    names = [k for k in weight_map if k == "model.embed_tokens.weight"] or sorted(
+        (k for k in weight_map if k.endswith("embed_tokens.weight")), key=len
+    )
+    if not names:
+        return None, f"target {target!r}: no *embed_tokens.weight tensor among its weights"
+    shard = find_target_file(target, weight_map[names[0]])
+    if shard is None:
+        return None, f"target {target!r}: shard {weight_map[names[0]]} is not available locally"
+    try:
+        with safe_open(str(shard), framework="pt") as f:
+            return f.get_tensor(names[0]), ""
+    except (SafetensorError, OSError) as e:
+        return None, f"{shard}: cannot read {names[0]} ({e})"
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+def transformer_layer_config(config: Eagle3Config) -> dict[str, Any]:
+    """The draft layer as a Llama config: vLLM merges exactly this into the model config it builds."""
+    rope = {"rope_type": "default", **config.rope_parameters}
+    rope_theta, rope_scaling = _legacy_rope(rope)
+    rope["rope_theta"] = rope_theta
+    return {
+        "model_type": "llama",  # "qwen3" would make newer vLLM build q/k norms the draft layer does not have
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,  # explicit: speculators doubles hidden_size for its RoPE module
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope,
+        "tie_word_embeddings": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+    }
+
+
+def speculators_config(
+    config: Eagle3Config,
+    *,
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
+    verifier_architectures: list[str] | None = None,
+    target_max_position_embeddings: int | None = None,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """The speculators-format `config.json` of a draftsmith EAGLE-3 config."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": SPECULATORS_MODEL_TYPE,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": transformer_layer_config(config),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        AUX_IDS_KEY: list(config.aux_layer_ids),  # capture ids, as vLLM and speculators read them
+        **{flag: False for flag in FORWARD_FLAGS},
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": SPECULATORS_MODEL_TYPE,
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                 "verifier_accept_k": 1, "accept_tolerance": 0.0},
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": config.target_name_or_path,
+                "architectures": list(verifier_architectures or config.target_architectures),
+            },
+        },
+        "draftsmith": {
+            "version": draftsmith_version(),
+            "method": METHOD,
+            "target": config.target_name_or_path,
+            "target_architectures": list(config.target_architectures),
+            "target_model_type": config.target_model_type,
+            "num_target_layers": config.num_target_layers,
+            "target_max_position_embeddings": target_max_position_embeddings or config.max_position_embeddings,
+            "aux_layer_ids_note": (
+                f"{AUX_IDS_KEY}: id k = residual stream entering target layer k = HF output_hidden_states[k] "
+                "(the convention of vLLM, speculators and draftsmith)"
+            ),
+            "step": step,
+        },
+    }
+
+
+def flat_view(config: dict[str, Any]) -> dict[str, Any]:
+    """transformer_layer_config merged under the top level, as vLLM reads a speculators config."""
+    layer = config.get("transformer_layer_config")
+    return {**(layer if isinstance(layer, dict) else {}), **{k: v for k, v in config.items()
+                                                              if k != "transformer_layer_config"}}
+
+
+def expected_speculators_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Speculators tensor name -> (shape, why), from the flattened config (see `flat_view`)."""
+    flat = flat_view(config)
+    native = expected_native_shapes({**flat, "target_hidden_size": flat.get("target_hidden_size") or
+                                     flat["hidden_size"]})
+    return {to_speculators_name(name): shape for name, shape in native.items()}
+
+
+# ---- validation --------------------------------------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "max_position_embeddings")
+
+
+def _check_speculators_block(spec: Any) -> list[str]:
+    if not isinstance(spec, dict):
+        return ["config: missing speculators_config (vLLM finds the target and the method there)"]
+    problems = []
+    if spec.get("algorithm") != SPECULATORS_MODEL_TYPE:
+        problems.append(f"config speculators_config.algorithm: {spec.get('algorithm')!r}, expected 'eagle3'")
+    methods = spec.get("proposal_methods")
+    if not isinstance(methods, list) or not methods or not all(isinstance(m, dict) for m in methods):
+        problems.append("config speculators_config.proposal_methods: expected a non-empty list of objects")
+    else:
+        k = methods[0].get("speculative_tokens")
+        if not _is_int(k) or k < 1:
+            problems.append(f"config speculators_config.proposal_methods[0].speculative_tokens: {k!r}, expected a "
+                            "positive integer (vLLM's num_speculative_tokens)")
+        types = [m.get("proposal_type") for m in methods]
+        if spec.get("default_proposal_method") not in types:
+            problems.append(f"config speculators_config.default_proposal_method: "
+                            f"{spec.get('default_proposal_method')!r} is not one of the proposal types {types}")
+    verifier = spec.get("verifier")
+    if not isinstance(verifier, dict) or not isinstance(verifier.get("name_or_path"), str) \
+            or not verifier["name_or_path"]:
+        problems.append("config speculators_config.verifier.name_or_path: missing; vLLM serves this model as the "
+                        "target (set model.target in the recipe)")
+    elif not isinstance(verifier.get("architectures"), list):
+        problems.append("config speculators_config.verifier.architectures: expected a list of class names")
+    return problems
+
+
+def check_speculators(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """(problems, warnings) for a speculators-format EAGLE-3 config + state dict, as vLLM and speculators read it."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
+        problems.append(f"config speculators_model_type: {config.get('speculators_model_type')!r}, expected 'eagle3'")
+    problems += _check_speculators_block(config.get("speculators_config"))
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        return problems + ["config transformer_layer_config: missing or not an object (vLLM requires a dict)"], []
+    if layer.get("model_type") != "llama":
+        problems.append(f"config transformer_layer_config.model_type: {layer.get('model_type')!r}, expected 'llama'")
+    if layer.get("num_hidden_layers") != 1:
+        problems.append(f"config transformer_layer_config.num_hidden_layers: {layer.get('num_hidden_layers')!r}, "
+                        "expected 1")
+    for key in _LAYER_INTS:
+        if not _is_int(layer.get(key)) or layer[key] <= 0:
+            problems.append(f"config transformer_layer_config.{key}: {layer.get(key)!r}, expected a positive integer")
+    for key in ("rms_norm_eps", "hidden_act", "rope_parameters"):
+        if key not in layer:
+            problems.append(f"config transformer_layer_config: missing {key}")
+    if layer.get("tie_word_embeddings") is not False:
+        problems.append("config transformer_layer_config.tie_word_embeddings: must be false (lm_head is the draft's)")
+    for flag in FORWARD_FLAGS:
+        if config.get(flag) is not False:
+            why = " (speculators reads a missing key as false, vLLM as true)" if flag == "norm_before_residual" else ""
+            problems.append(f"config {flag}: {config.get(flag)!r}, expected false, as draftsmith's drafter "
+                            f"computes{why}")
+    draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
+    if not _is_int(draft_vocab) or draft_vocab <= 0:
+        problems.append(f"config draft_vocab_size: {draft_vocab!r}, expected a positive integer")
+    elif _is_int(vocab) and draft_vocab > vocab:
+        problems.append(f"config draft_vocab_size {draft_vocab} > transformer_layer_config.vocab_size {vocab}")
+    hidden, target_hidden = layer.get("hidden_size"), config.get("target_hidden_size")
+    if target_hidden is not None and (not _is_int(target_hidden) or target_hidden <= 0):
+        problems.append(f"config target_hidden_size: {target_hidden!r}, expected a positive integer or null")
+    elif target_hidden not in (None, hidden):
+        warnings.append(f"target_hidden_size {target_hidden} != hidden_size {hidden}: vLLM reads it, but the "
+                        "speculators package sizes fc from hidden_size and cannot load this drafter")
+
+    provenance = config.get("draftsmith") or {}
+    target_max, max_pos = provenance.get("target_max_position_embeddings"), layer.get("max_position_embeddings")
+    if _is_int(target_max) and _is_int(max_pos) and max_pos < target_max:
+        problems.append(f"config transformer_layer_config.max_position_embeddings {max_pos} < the target's "
+                        f"{target_max}")
+    ids = config.get(AUX_IDS_KEY)
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+        problems.append(f"config {AUX_IDS_KEY}: {ids!r}, expected capture ids (missing makes vLLM fall back to its "
+                        "default layers silently)")
+    else:
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            problems.append(f"config {AUX_IDS_KEY}: {ids} must be strictly increasing")
+        num_layers = provenance.get("num_target_layers")
+        if _is_int(num_layers) and max(ids) > num_layers:
+            problems.append(f"config {AUX_IDS_KEY}: {ids} exceed the target's {num_layers} layers")
+    if config.get("attention_bias") or layer.get("attention_bias") or layer.get("mlp_bias"):
+        warnings.append("the draft layer has biases; check that your vLLM build loads them")
+
+    sizes_ok = all(_is_int(layer.get(k)) and layer[k] > 0 for k in _LAYER_INTS) and _is_int(draft_vocab) \
+        and isinstance(ids, list) and (target_hidden is None or _is_int(target_hidden))
+    if not sizes_ok:
+        return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
+    flat = flat_view(config)
+    optional = {EMBED_KEY: ((flat["vocab_size"], flat["hidden_size"]), "(vocab_size, hidden_size): the target's")}
+    problems += check_state_dict(flat, expected_speculators_shapes(config), tensors, optional=optional)
+    return problems, warnings
+
+
+def validate_speculators(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems with a speculators-format export (empty = loadable by vLLM and the speculators package)."""
+    return check_speculators(config, tensors)[0]
+
+
+# ---- reading the format back -------------------------------------------------------------------------------
+def eagle3_config_from_speculators(
+    config: dict[str, Any], target_config: dict[str, Any] | None = None
+) -> tuple[Eagle3Config, list[str]]:
+    """(draftsmith config, notes on what had to be assumed) of a speculators-format EAGLE-3 config.
+
+    Flattened the way vLLM reads it (`flat_view`), the config is a native one, with the target named by the
+    verifier; `target_config` (the target's config.json, when found) supplies what a third-party config may lack.
+    """
+    from draftsmith.models.eagle3.io import eagle3_config_from_native
+
+    if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
+        raise SpeculatorsFormatError(f"speculators_model_type {config.get('speculators_model_type')!r} is not "
+                                     "'eagle3'; draftsmith reads only EAGLE-3 speculators checkpoints")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise SpeculatorsFormatError("transformer_layer_config: missing or not an object")
+    if "norm_before_residual" not in config:
+        raise SpeculatorsFormatError(
+            "norm_before_residual is missing: speculators reads that as false and vLLM as true, so the drafter's "
+            "residual is ambiguous; add \"norm_before_residual\": false (or true) to config.json"
+        )
+    for flag in FORWARD_FLAGS:
+        if config.get(flag):
+            raise SpeculatorsFormatError(f"{flag} is true: draftsmith's EAGLE-3 drafter implements only {flag}=false, "
+                                         "so it would compute different logits from this checkpoint")
+    if layer.get("model_type", "llama") != "llama":
+        raise SpeculatorsFormatError(f"transformer_layer_config.model_type {layer.get('model_type')!r}: draftsmith's "
+                                     "draft layer is Llama-shaped (no q/k norms)")
+    spec = config.get("speculators_config") if isinstance(config.get("speculators_config"), dict) else {}
+    verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
+    prov = config.get("draftsmith") if isinstance(config.get("draftsmith"), dict) else {}
+    flat = flat_view(config)
+    flat["draftsmith"] = {
+        "target": verifier.get("name_or_path") or "",
+        "target_architectures": verifier.get("architectures") or [],
+        **{k: v for k, v in prov.items() if v not in (None, "", [])},
+    }
+    return eagle3_config_from_native(flat, target_config)
+
+
+def tensors_from_speculators(
+    tensors: dict[str, torch.Tensor], draft_vocab_size: int, vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """draftsmith names; the embedding is dropped (the target's is used) and, for a full-vocab draft, the identity
+    d2t / t2d the speculators package does not save are filled in."""
+    out = {from_speculators_name(n): t for n, t in tensors.items() if n != EMBED_KEY}
+    if "d2t" not in out and "t2d" not in out and draft_vocab_size == vocab_size:
+        out["d2t"] = torch.zeros(draft_vocab_size, dtype=torch.long)  # draft id i = target id i
+        out["t2d"] = torch.ones(vocab_size, dtype=torch.bool)
+    return out
+
+
+# ---- export ------------------------------------------------------------------------------------------------
+def speculators_serve_commands(
+    target: str, draft: str, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
+) -> dict[str, str]:
+    """vLLM reads the target and k from config.json; SGLang reads only the native layout, so its line converts first."""
+    d = shlex.quote(draft)
+    native_dir = f"{draft.rstrip('/')}-sglang"
+    native = eagle3_serve_commands(target, native_dir, num_speculative_tokens)
+    return {
+        "vLLM": f"vllm serve {d}",
+        "vLLM, naming the target": eagle3_serve_commands(target, draft, num_speculative_tokens)["vLLM"],
+        "SGLang (native layout only: convert, then serve)": (
+            f"draftsmith import {d} --out {shlex.quote(native_dir + '-checkpoint')} && "
+            f"draftsmith export {shlex.quote(native_dir + '-checkpoint')} --format sglang --out "
+            f"{shlex.quote(native_dir)} && " + native["SGLang"]
+        ),
+    }
+
+
+def _num_speculative_tokens(eval_result: Any) -> int:
+    """k that was measured by `draftsmith eval`, else the default the printed commands use."""
+    if isinstance(eval_result, dict):
+        k = eval_result.get("num_speculative_tokens")
+        if _is_int(k) and k > 0:
+            return k
+    return NUM_SPECULATIVE_TOKENS
+
+
+def export_speculators(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> ExportResult:
+    """Build, validate and write the speculators layout (config.json, model.safetensors, README.md), all or nothing.
+
+    Floating-point weights, the copied target embedding included, are written in `dtype` (None keeps the
+    checkpoint's own)."""
+    out_dir = Path(out_dir)
+    ckpt = resolve_checkpoint(checkpoint)
+    check_output_dir(out_dir, overwrite, keep=(ckpt,))
+    raw, state = load_checkpoint(ckpt)
+    where = ckpt / CONFIG_FILE
+    if raw.get("method") != METHOD:
+        raise ExportError(f"{where}: method {raw.get('method')!r} cannot be exported as speculators EAGLE-3 "
+                          f"(needs {METHOD!r})")
+    try:
+        cfg = Eagle3Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{where}: {e}") from None
+    warnings: list[str] = []
+    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
+    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+    try:
+        eval_result = read_optional_json(ckpt / EVAL_FILE)
+    except CheckpointError as e:
+        eval_result, warnings = None, [f"eval result not shown in the model card: {e}"]
+
+    target_config = read_target_config(cfg.target_name_or_path) or {}
+    architectures = list(cfg.target_architectures or target_config.get("architectures") or [])
+    if not architectures:
+        warnings.append("the target's architectures are unknown; speculators_config.verifier.architectures is empty")
+    target_max = target_config.get("max_position_embeddings")
+    num_tokens = _num_speculative_tokens(eval_result)
+    config = speculators_config(cfg, num_speculative_tokens=num_tokens, verifier_architectures=architectures,
+                                target_max_position_embeddings=target_max if _is_int(target_max) else None,
+                                step=step)
+
+    tensors = {SPECULATORS_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
+               for name, t in state.items()}  # unknown names kept, then refused
+    embedding, why_not = load_target_embedding(cfg.target_name_or_path)
+    if embedding is None:
+        warnings.append(f"{EMBED_KEY} not written ({why_not}); vLLM shares the target's embedding and the "
+                        "speculators package loads it from the verifier, so the export still loads")
+    else:
+        weights_dtype = tensors["lm_head.weight"].dtype if "lm_head.weight" in tensors else embedding.dtype
+        tensors[EMBED_KEY] = embedding.to(weights_dtype)  # (V, H) one float dtype per file
+    problems, more_warnings = check_speculators(config, tensors)
+    if problems:
+        raise ExportError(f"{ckpt}: refusing to export as speculators EAGLE-3: " + "; ".join(problems))
+    warnings += more_warnings
+
+    recipe_path = ckpt / RECIPE_FILE
+    recipe_text = recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None
+    commands = speculators_serve_commands(cfg.target_name_or_path, str(out_dir), num_tokens)
+    card = render_speculators_card(config, commands, recipe_text=recipe_text,
+                                   eval_result=eval_result if isinstance(eval_result, dict) else None)
+    names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
+    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
+        write_json_atomic(config, tmp / CONFIG_FILE)
+        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
+        write_text_atomic(card, tmp / "README.md")
+    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings, serve_commands=commands)
+
+
+def render_speculators_card(
+    config: dict[str, Any], commands: dict[str, str], recipe_text: str | None = None,
+    eval_result: dict[str, Any] | None = None,
+) -> str:
+    layer = config["transformer_layer_config"]
+    spec = config["speculators_config"]
+    prov = config.get("draftsmith") or {}
+    step = prov.get("step")
+    return render_model_card(
+        target=spec["verifier"]["name_or_path"] or "TARGET",
+        method="EAGLE-3",
+        tags=TAGS,
+        summary={
+            "format": f"speculators {config['speculators_version']} (speculators_model_type eagle3)",
+            "draft layers": layer["num_hidden_layers"],
+            "hidden_size": layer["hidden_size"],
+            "target_hidden_size": config["target_hidden_size"],
+            "draft_vocab_size": f"{config['draft_vocab_size']} of {layer['vocab_size']}",
+            "speculative tokens (vLLM default)": spec["proposal_methods"][0]["speculative_tokens"],
+            "training step": step if step is not None else "unknown",
+        },
+        aux_layer_ids=[
+            ("capture: residual entering layer k = HF `output_hidden_states[k]` (vLLM, speculators)", AUX_IDS_KEY,
+             config[AUX_IDS_KEY]),
+        ],
+        serve_commands=commands,
+        recipe_text=recipe_text,
+        eval_result=eval_result,
+        version=prov.get("version", ""),
+    )
