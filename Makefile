@@ -14,6 +14,9 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
+SPECULATORS_VERSION ?= 0.9.0
+SPECULATORS_DIR := $(VENV)/speculators
+SPECULATORS_STAMP := $(SPECULATORS_DIR)/.installed
 
 # A GPU machine has one of these tools on PATH (searched by make itself, no shell needed).
 HAS_GPU := $(firstword $(foreach t,nvidia-smi rocm-smi npu-smi,$(wildcard $(addsuffix /$(t),$(subst :, ,$(PATH))))))
@@ -25,7 +28,7 @@ endif
 
 .PHONY: test demo install clean-venv
 
-test: $(STAMP)
+test: $(STAMP) $(SPECULATORS_STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -40,6 +43,14 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+# The `speculators` package is only a test oracle (tests/test_speculators.py loads our export with it). Its wheel
+# pins torchvision, torchaudio and transformers<=5.19, which would break this venv, so it goes --no-deps into its
+# own folder, with loguru, the one dependency its Eagle3 loading imports that the venv lacks. The tests put that
+# folder on sys.path ($(VENV)/speculators is found through sys.prefix) and skip when it is absent.
+$(SPECULATORS_STAMP): | $(STAMP)
+	$(PIP) install -q --upgrade --no-deps --target $(SPECULATORS_DIR) speculators==$(SPECULATORS_VERSION) loguru==0.7.3
 	touch $@
 
 clean-venv:

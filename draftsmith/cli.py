@@ -38,6 +38,30 @@ def _export(args):
     return run_export(args)
 
 
+def _import_args(p):
+    from draftsmith.models.importer import add_import_args
+
+    add_import_args(p)
+
+
+def _import(args):
+    from draftsmith.models.importer import run_import
+
+    return run_import(args)
+
+
+def _push_args(p):
+    from draftsmith.hub import add_push_args
+
+    add_push_args(p)
+
+
+def _push(args):
+    from draftsmith.hub import run_push
+
+    return run_push(args)
+
+
 def _generate_args(p):
     from draftsmith.inference.commands import add_generate_args
 
@@ -78,6 +102,9 @@ COMMANDS = {
     # name: (help, add_arguments, run)
     "train": ("train a drafter from a recipe", _add_train_args, _train),
     "export": ("export a checkpoint for vLLM / SGLang", _export_args, _export),
+    "import": ("convert a published drafter (native EAGLE-3, speculators) into a draftsmith checkpoint",
+               _import_args, _import),
+    "push": ("upload an export folder to the Hugging Face Hub in one commit", _push_args, _push),
     "generate": ("speculative generation with verification", _generate_args, _generate),
     "eval": ("acceptance and speed over a prompt set", _eval_args, _eval),
     "quickstart": ("train, export, generate and evaluate end to end on a small default", _quickstart_args,

@@ -76,7 +76,7 @@ def test_drafter_that_copies_the_target_is_fully_accepted(tmp_path, fixture_targ
     class Oracle:
         aux_layer_ids = None
 
-        def begin(self, prompt):
+        def begin(self, prompt, sampler=None):
             self.n = 1  # context length = 1 + tokens paired so far (the prefill restates the prompt)
 
         def extend(self, token_ids, aux):

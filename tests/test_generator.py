@@ -25,7 +25,7 @@ class ScriptedProposer:
         self.reference, self.script, self.vocab_size = reference, list(script), vocab_size
         self.requests, self.extended_tokens, self.extended_aux, self.expected_accepts = [], [], [], []
 
-    def begin(self, prompt_ids):
+    def begin(self, prompt_ids, sampler=None):
         self.context, self.paired = prompt_ids[0].tolist(), 0
 
     def extend(self, token_ids, aux_hidden):

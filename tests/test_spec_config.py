@@ -46,7 +46,7 @@ def test_json_string_and_ignored_vllm_keys():
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer > 0"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
-        ({"method": "dflash", "num_speculative_tokens": 2}, "'dflash' is not available yet"),
+        ({"method": "dflash", "num_speculative_tokens": 2}, "'dflash' needs 'model'"),
         ({"method": "eagel3", "num_speculative_tokens": 2}, r"unknown method 'eagel3' \(did you mean 'eagle3'\?\)"),
         ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "spec_token_tree": "[]"}, "not supported"),

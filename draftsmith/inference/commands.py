@@ -27,6 +27,22 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, npu, npu:N (default: the accelerator found)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="target dtype (auto: bf16 on accelerators, float32 on CPU; losslessness is exact in float32)")
+    # vLLM's SamplingParams names; speculation keeps the output distribution of plain sampling with them.
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one)")
+
+
+def _sampling(args: argparse.Namespace):
+    """The SamplingParams of --temperature/--top-k/--top-p/--seed, or None for greedy decoding."""
+    from draftsmith.inference.sampling import SamplingError, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except SamplingError as e:
+        raise CommandError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+    return None if params.greedy else params
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -42,33 +58,50 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     _add_common_args(p)
     p.add_argument("--speculative-config", action="append", required=True, metavar="JSON",
-                   help="vLLM-style config; repeat to compare several")
-    p.add_argument("--dataset", required=True, help="MT-bench question.jsonl or conversation JSONL")
+                   help="vLLM-style config; repeat to compare several. One without num_speculative_tokens runs "
+                        "once per length in --num-speculative-tokens")
+    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="K",
+                   help="proposal lengths to sweep, e.g. 1 3 5 7 (for configs that do not set num_speculative_tokens)")
+    p.add_argument("--dataset", action="append", required=True, metavar="[NAME=]PATH",
+                   help="MT-bench question.jsonl or conversation JSONL; repeat for several, each reported on its own "
+                        "(NAME defaults to the file name)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_EVAL_TOKENS)
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
-    p.add_argument("--out", default=DEFAULT_EVAL_OUT, help=f"folder for eval.json (default: ./{DEFAULT_EVAL_OUT})")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N prompts of each dataset (default: all)")
+    p.add_argument("--tie-tolerance", type=float, default=None, metavar="FRACTION",
+                   help="speedups this close to the best (relative) count as ties, won by the smaller k (default 0.01)")
+    p.add_argument("--out", default=DEFAULT_EVAL_OUT,
+                   help=f"folder for eval.json, eval.txt and the plots (default: ./{DEFAULT_EVAL_OUT})")
 
 
 def _load(args: argparse.Namespace, spec_texts: list[str]):
     """Validate the cheap things first (configs, paths, sizes), then load the tokenizer and the target."""
-    from transformers import AutoTokenizer
-
     from draftsmith import device as dev
     from draftsmith.inference.spec_config import parse_spec_config
     from draftsmith.models.target import TargetModel
 
-    if args.max_new_tokens < 1:
-        raise CommandError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _check_max_new_tokens(args)
     device = dev.get_device(args.device)
     specs = [parse_spec_config(text, device_type=device.type) for text in spec_texts]
-    if not (Path(args.target) / "config.json").is_file():
-        raise CommandError(f"--target {args.target}: no config.json there (expected a Hugging Face model folder)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-    except (OSError, ValueError) as e:
-        raise CommandError(f"--target {args.target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+    tokenizer = _load_tokenizer(args.target)
     target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device)
     return specs, tokenizer, target
+
+
+def _check_max_new_tokens(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise CommandError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def _load_tokenizer(target_dir: str):
+    from transformers import AutoTokenizer
+
+    if not (Path(target_dir) / "config.json").is_file():
+        raise CommandError(f"--target {target_dir}: no config.json there (expected a Hugging Face model folder)")
+    try:
+        return AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"--target {target_dir}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -77,12 +110,13 @@ def run_generate(args: argparse.Namespace) -> int:
     from draftsmith.inference.spec_config import build_proposer
 
     spec_texts = [args.speculative_config] if args.speculative_config is not None else []
+    sampling = _sampling(args)
     specs, tokenizer, target = _load(args, spec_texts)
     spec = specs[0] if specs else None
     proposer = build_proposer(spec, target) if spec is not None else None
     generator = SpeculativeGenerator(target, proposer, spec.num_speculative_tokens if spec else 0)
     prompt_ids = torch.tensor([render_prompt(tokenizer, args.prompt)])
-    result = generator.generate(prompt_ids, args.max_new_tokens, eos_token_ids(target, tokenizer))
+    result = generator.generate(prompt_ids, args.max_new_tokens, eos_token_ids(target, tokenizer), sampling=sampling)
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -101,15 +135,38 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
-    from draftsmith.inference.eval import format_table, load_prompts, run_eval, write_eval_json
+    """Sweep configs x proposal lengths x datasets in one process; write eval.json, eval.txt and one PNG per dataset.
 
-    if not Path(args.dataset).is_file():
-        raise CommandError(f"--dataset {args.dataset}: file not found")
-    specs, tokenizer, target = _load(args, args.speculative_config)
-    prompts = load_prompts(args.dataset, tokenizer, limit=args.num_prompts)
-    result = run_eval(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty())
-    result["dataset"] = str(args.dataset)
-    print(format_table(result))
-    path = write_eval_json(result, Path(args.out) / "eval.json", target)
-    print(f"wrote {path}")
+    Everything that can be wrong in the arguments (configs, lengths, dataset files and lines) fails before the
+    target is loaded.
+    """
+    from draftsmith import device as dev
+    from draftsmith.inference.eval import expand_spec_configs, load_prompts, name_datasets, run_sweep, write_eval_json
+    from draftsmith.inference.report import SPEEDUP_TIE_TOLERANCE, add_recommendations, format_report, write_plots
+    from draftsmith.models.checkpoint import write_text_atomic
+    from draftsmith.models.target import TargetModel
+
+    _check_max_new_tokens(args)
+    sampling = _sampling(args)
+    tie_tolerance = SPEEDUP_TIE_TOLERANCE if args.tie_tolerance is None else args.tie_tolerance
+    if not 0 <= tie_tolerance < 1:
+        raise CommandError(f"--tie-tolerance must be in [0, 1), got {tie_tolerance}")
+    device = dev.get_device(args.device)
+    specs = expand_spec_configs(args.speculative_config, args.num_speculative_tokens, device.type)
+    paths = name_datasets(args.dataset)
+    tokenizer = _load_tokenizer(args.target)
+    prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts) for name, path in paths.items()}
+    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device)
+
+    sweep = run_sweep(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty(),
+                      sampling=sampling,
+                      dataset_paths={name: str(path) for name, path in paths.items()})
+    add_recommendations(sweep, tie_tolerance)
+    report = format_report(sweep, target=args.target)
+    print(report)
+    out = Path(args.out)
+    written = [write_eval_json(sweep, out / "eval.json", target)]
+    write_text_atomic(report + "\n", out / "eval.txt")
+    written += [out / "eval.txt", *write_plots(sweep, out)]
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0

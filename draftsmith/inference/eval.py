@@ -1,8 +1,13 @@
-"""Acceptance and speed of speculative configs over a prompt set, side by side with plain greedy decoding.
+"""Acceptance and speed of speculative configs over prompt sets, side by side with plain decoding.
 
-Every config runs over the same prompts as one plain greedy baseline in the same process, so speedups are
-ratios measured together; each output is compared with the baseline's token for token (`lossless_mismatches`),
-which must be 0 in float32: greedy speculative decoding may not change a single token.
+Every config runs over the same prompts as one plain baseline in the same process, so speedups are ratios
+measured together; at temperature 0 each output is compared with the baseline's token for token
+(`lossless_mismatches`), which must be 0 in float32: greedy speculative decoding may not change a single token.
+
+`run_eval` measures one prompt set; `run_sweep` runs every config on several datasets, and
+`expand_spec_configs` turns configs without `num_speculative_tokens` into one config per proposal length, so
+`draftsmith eval` compares methods and lengths in one process (report.py turns the result into a table, plots and
+a recommendation).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 import platform
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,7 @@ from tqdm.auto import tqdm
 from draftsmith import device as dev
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.metrics import SpecDecodingMetrics
-from draftsmith.inference.spec_config import SpecConfig, build_proposer
+from draftsmith.inference.spec_config import SpecConfig, SpecConfigError, build_proposer, parse_spec_config
 
 WARMUP_TOKENS = 8  # each generator first runs one short untimed generation: start-up costs stay out of tok/s
 
@@ -94,11 +100,114 @@ def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[
     return [render_prompt(tokenizer, text) for text in _first_user_turns(path, limit)]
 
 
-def _run(generator: SpeculativeGenerator, prompts, max_new_tokens, eos, desc, progress):
-    generator.generate(torch.tensor([prompts[0]]), WARMUP_TOKENS, eos)
+def name_datasets(entries: Sequence[str]) -> dict[str, Path]:
+    """`--dataset` values, `PATH` or `NAME=PATH`, as {name: path}; every file must exist.
+
+    A name defaults to the file's stem; stems that clash become "folder/stem" (mt_bench/question).
+    """
+    named: list[tuple[str | None, Path]] = []
+    for entry in entries:
+        name, sep, rest = entry.partition("=")
+        if sep and name and "/" not in name and not Path(entry).is_file():
+            named.append((name, Path(rest)))
+        else:
+            named.append((None, Path(entry)))
+    for _, path in named:
+        if not path.is_file():
+            raise EvalError(f"--dataset {path}: file not found")
+    stems = [p.stem for n, p in named if n is None]
+    datasets: dict[str, Path] = {}
+    for name, path in named:
+        if name is None:
+            name = path.stem if stems.count(path.stem) == 1 else f"{path.parent.name}/{path.stem}"
+        if name in datasets:
+            raise EvalError(f"--dataset {path}: the name {name!r} is taken; name it with NAME=PATH")
+        datasets[name] = path
+    return datasets
+
+
+def expand_spec_configs(
+    configs: Sequence[str | Mapping[str, Any]],
+    num_speculative_tokens: Sequence[int] | None = None,
+    device_type: str | None = None,
+) -> list[SpecConfig]:
+    """Parse every config up front (a bad key fails before a model is loaded) and expand the sweep.
+
+    A config without `num_speculative_tokens` becomes one config per length in `num_speculative_tokens` when that
+    list is given; one with it runs as given, and so does one with a static `speculative_token_tree` (whose node
+    count is its k). Without a list, vLLM's rules apply (required, except suffix, which defaults to its tree depth,
+    and a static tree). Duplicates are dropped, the order is kept.
+    """
+    if num_speculative_tokens is not None and (
+        not num_speculative_tokens
+        or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in num_speculative_tokens)
+    ):
+        raise SpecConfigError(f"--num-speculative-tokens: need integers >= 1, got {list(num_speculative_tokens)}")
+    specs: list[SpecConfig] = []
+    for i, given in enumerate(configs, 1):
+        raw: Any = given
+        if isinstance(given, str):
+            try:
+                raw = json.loads(given)
+            except json.JSONDecodeError:
+                pass  # parse_spec_config names the JSON error
+        swept = (isinstance(raw, Mapping) and raw.get("num_speculative_tokens") is None
+                 and raw.get("speculative_token_tree") is None and num_speculative_tokens)
+        for k in num_speculative_tokens if swept else [None]:
+            try:
+                spec = parse_spec_config(raw if k is None else {**raw, "num_speculative_tokens": k}, device_type)
+            except SpecConfigError as e:
+                hint = (" (or list lengths to sweep with --num-speculative-tokens)"
+                        if "'num_speculative_tokens' is required" in str(e) else "")
+                where = f" [--speculative-config #{i}]" if len(configs) > 1 else ""
+                raise SpecConfigError(f"{e}{hint}{where}") from None
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+def series_labels(spec_configs: Sequence[SpecConfig]) -> dict[str, str]:
+    """A legend label per series (a config minus its length, keyed by `series_key`): the method name, plus the
+    settings that tell apart several series of one method, e.g. "ngram prompt_lookup_max=2"."""
+    series: dict[str, dict[str, Any]] = {}
+    for spec in spec_configs:
+        settings = {k: v for k, v in spec.to_dict().items() if k != "num_speculative_tokens"}
+        series.setdefault(series_key(spec.to_dict()), settings)
+    labels = {}
+    for key, settings in series.items():
+        siblings = [s for s in series.values() if s["method"] == settings["method"]]
+        differing = [k for k in settings if k != "method" and len({json.dumps(s.get(k)) for s in siblings}) > 1]
+        shown = [f"{k}={Path(v).name if k == 'model' else v}" for k, v in settings.items() if k in differing]
+        labels[key] = " ".join([settings["method"], *shown])
+    return labels
+
+
+def series_key(spec_dict: Mapping[str, Any]) -> str:
+    """Identity of a config's series: every setting but `num_speculative_tokens`, as canonical JSON."""
+    return json.dumps({k: v for k, v in spec_dict.items() if k != "num_speculative_tokens"}, sort_keys=True)
+
+
+def _generator(target, spec: SpecConfig | None) -> SpeculativeGenerator:
+    if spec is None:
+        return SpeculativeGenerator(target, None, 0)
+    return SpeculativeGenerator(target, build_proposer(spec, target), spec.num_speculative_tokens)
+
+
+def _generate(generator: SpeculativeGenerator, ids: list[int], max_new_tokens: int, eos, sampling):
+    return generator.generate(torch.tensor([ids]), max_new_tokens, eos, sampling=sampling)
+
+
+def _measure(target, spec: SpecConfig | None, prompts, max_new_tokens, eos, desc, progress, sampling):
+    """Outputs, merged metrics and timing of one config (None: plain decoding) over `prompts`.
+
+    The untimed warm-up runs on a throwaway generator, and the timed run on a fresh one, so what a proposer
+    learns across requests (suffix's global trie) comes from the measured prompts alone, in order.
+    """
+    _generate(_generator(target, spec), prompts[0], WARMUP_TOKENS, eos, sampling)
+    generator = _generator(target, spec)
     outputs, metrics, seconds, steps = [], SpecDecodingMetrics(generator.k), 0.0, 0
     for ids in tqdm(prompts, desc=desc, disable=not progress, leave=False):
-        result = generator.generate(torch.tensor([ids]), max_new_tokens, eos)
+        result = _generate(generator, ids, max_new_tokens, eos, sampling)
         outputs.append(result.token_ids)
         metrics = metrics.merge(result.metrics)
         seconds += result.seconds
@@ -109,41 +218,78 @@ def _run(generator: SpeculativeGenerator, prompts, max_new_tokens, eos, desc, pr
 
 
 def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[SpecConfig], max_new_tokens: int,
-             progress: bool = True) -> dict[str, Any]:
-    """Plain greedy once, then every config over the same prompts; returns a JSON-ready dict."""
+             progress: bool = True, sampling=None, desc: str = "") -> dict[str, Any]:
+    """Plain decoding once, then every config over the same prompts; returns a JSON-ready dict.
+
+    `sampling` (a `SamplingParams`; None = greedy) applies to the baseline and every config alike. Outputs are
+    compared with the baseline's only at temperature 0, where they must be equal.
+    """
     if not prompts:
         raise EvalError("no prompts to evaluate")
+    temperature = float(getattr(sampling, "temperature", 0.0))
     eos = eos_token_ids(target, tokenizer)
-    plain = SpeculativeGenerator(target, None, 0)
-    baseline_outputs, _, baseline = _run(plain, prompts, max_new_tokens, eos, "plain greedy", progress)
-
+    prefix = f"{desc} " if desc else ""
+    baseline_outputs, _, baseline = _measure(target, None, prompts, max_new_tokens, eos, f"{prefix}plain",
+                                             progress, sampling)
     results = []
+    labels = series_labels(spec_configs)
     for spec in spec_configs:
-        generator = SpeculativeGenerator(target, build_proposer(spec, target), spec.num_speculative_tokens)
-        desc = f"{spec.method} k={spec.num_speculative_tokens}"
-        outputs, metrics, timing = _run(generator, prompts, max_new_tokens, eos, desc, progress)
-        mismatched = [i for i, (a, b) in enumerate(zip(outputs, baseline_outputs)) if a != b]
-        results.append({
+        label = f"{prefix}{spec.method} k={spec.num_speculative_tokens}"
+        outputs, metrics, timing = _measure(target, spec, prompts, max_new_tokens, eos, label, progress, sampling)
+        row = {
             "spec_config": spec.to_dict(),
             "method": spec.method,
+            "label": labels[series_key(spec.to_dict())],
             "num_speculative_tokens": spec.num_speculative_tokens,
             "metrics": metrics.to_dict(),
             **timing,
             "speedup": timing["tokens_per_second"] / baseline["tokens_per_second"],
-            "lossless_mismatches": len(mismatched),
-            "mismatched_prompts": mismatched,
-        })
-    return {
+        }
+        if temperature == 0.0:
+            mismatched = [i for i, (a, b) in enumerate(zip(outputs, baseline_outputs)) if a != b]
+            row.update(lossless_mismatches=len(mismatched), mismatched_prompts=mismatched)
+        results.append(row)
+    result = {
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "baseline": baseline,
         "results": results,
     }
+    if sampling is not None and hasattr(sampling, "to_dict"):
+        result["sampling"] = sampling.to_dict()
+    return result
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """One row per config (plus the plain baseline): method, k, tau, per-position acceptance, tok/s, speedup."""
+def run_sweep(target, tokenizer, datasets: Mapping[str, list[list[int]]], spec_configs: list[SpecConfig],
+              max_new_tokens: int, progress: bool = True, sampling=None,
+              dataset_paths: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`run_eval` on every dataset; one JSON-ready dict with a flat `results` list (each row names its dataset).
+
+    Shape: {max_new_tokens, temperature, datasets: {name: {path, num_prompts, baseline}}, results: [row, ...]},
+    a row as in `run_eval` plus "dataset".
+    """
+    if not datasets:
+        raise EvalError("no dataset to evaluate")
+    if not spec_configs:
+        raise EvalError("no speculative config to evaluate")
+    sweep: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "datasets": {}, "results": []}
+    for name, prompts in datasets.items():
+        one = run_eval(target, tokenizer, prompts, spec_configs, max_new_tokens, progress, sampling, desc=name)
+        sweep["temperature"] = one["temperature"]
+        if "sampling" in one:
+            sweep["sampling"] = one["sampling"]
+        sweep["datasets"][name] = {"path": (dataset_paths or {}).get(name), "num_prompts": one["num_prompts"],
+                                   "baseline": one["baseline"]}
+        sweep["results"].extend({"dataset": name, **row} for row in one["results"])
+    return sweep
+
+
+def format_table(result: dict[str, Any], mark: dict[str, Any] | None = None) -> str:
+    """One row per config (plus the plain baseline): method, k, tau, per-position acceptance, tok/s, speedup.
+
+    `result` is a `run_eval` result, or one dataset's slice of a sweep; the row with `mark`'s config gets a "*".
+    """
     header = ["method", "k", "mean acc. len", "per-position acceptance", "tok/s", "speedup", "lossless"]
     base = result["baseline"]
     rows = [["plain", "-", "-", "-", f"{base['tokens_per_second']:.1f}", "1.00x", "-"]]
@@ -151,9 +297,14 @@ def format_table(result: dict[str, Any]) -> str:
         m = r["metrics"]
         tau = m["mean_acceptance_length"]
         per_pos = " ".join("-" if p is None else f"{p:.2f}" for p in m["per_position_acceptance"])
-        lossless = "yes" if r["lossless_mismatches"] == 0 else f"NO ({r['lossless_mismatches']} differ)"
-        rows.append([r["method"], str(r["num_speculative_tokens"]), "-" if tau is None else f"{tau:.2f}",
-                     per_pos, f"{r['tokens_per_second']:.1f}", f"{r['speedup']:.2f}x", lossless])
+        if "lossless_mismatches" not in r:
+            lossless = "n/a"  # sampled outputs differ run to run; the distribution tests cover losslessness
+        else:
+            lossless = "yes" if r["lossless_mismatches"] == 0 else f"NO ({r['lossless_mismatches']} differ)"
+        star = "*" if mark is not None and r["spec_config"] == mark["spec_config"] else ""
+        rows.append([r.get("label", r["method"]) + star, str(r["num_speculative_tokens"]),
+                     "-" if tau is None else f"{tau:.2f}", per_pos, f"{r['tokens_per_second']:.1f}",
+                     f"{r['speedup']:.2f}x", lossless])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))

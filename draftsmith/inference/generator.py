@@ -1,13 +1,29 @@
-"""Verified speculative generation: propose, verify with one target step, commit, roll the cache back, repeat.
+"""Verified speculative generation: propose, verify with one target step, commit, fix the cache, repeat.
 
-Greedy and lossless: every committed token is the target's argmax given the tokens before it, so the output
-equals plain greedy decoding of the target (up to floating-point ties) whatever the proposer drafts.
-With `proposer=None` the same loop is plain greedy decoding, the baseline speedups are measured against.
+Lossless: greedy output equals plain greedy decoding of the target (up to floating-point ties), and sampled
+output is distributed exactly as the target's own sampling (`verify.py`), whatever the proposer drafts, chain or
+tree. With `proposer=None` the same loop is plain decoding, the baseline speedups are measured against.
+
+Batches. Requests of different lengths share one target cache with a *shared write pointer and per-row
+validity*: every step writes the same slots for all rows, and a (B, T_max) mask records which slots each row
+may attend to. Prompts are left-padded (pad slots invalid) and each row has its own position ids, so a row sees
+exactly the keys and positions it would see alone. A row that accepts fewer tokens than the best row of a step
+leaves invalid slots behind ("holes"); a finished row keeps riding along, invalid, until the batch ends. When
+the pointer reaches the end of the cache, every row's valid slots are gathered to the front (`_defragment`).
+A single request never has holes, so it runs with the plain causal mask and no bookkeeping at all.
+
+Metrics (vLLM's counters, `metrics.py`), per request. A chain step counts its drafts as `num_draft_tokens`. A
+tree step counts every tree node it verified (the nodes within the row's budget), as vLLM does for its static
+trees, whose `num_speculative_tokens` is the node count; `num_accepted_tokens` is the accepted path's length and
+`num_accepted_tokens_per_pos[i]` counts steps whose path reached depth i+1. So for trees the mean acceptance
+length (1 + accepted / drafts) compares directly with chains, while the draft acceptance rate (accepted / draft
+tokens) is low by construction: most nodes lie off the accepted path.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,15 +31,28 @@ from torch import Tensor
 
 from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal, Proposer
-from draftsmith.inference.verify import greedy_verify
+from draftsmith.inference.sampling import GREEDY, Sampler, SamplingParams
+from draftsmith.inference.tree import ancestor_mask, causal_mask, compact_kv, node_depths, step_attention_mask
+from draftsmith.inference.verify import (greedy_tree_verify, greedy_verify, rejection_verify,
+                                         sampling_tree_verify)
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # generated tokens only (EOS kept when it ended the output)
     metrics: SpecDecodingMetrics
-    num_target_steps: int  # target forward passes, prefill included
-    seconds: float  # wall time of the whole generation, prefill included
+    num_target_steps: int  # target forward passes this request took part in, prefill included
+    seconds: float  # wall time of the whole generation (of the whole batch), prefill included
+
+
+@dataclass
+class _StepDrafts:
+    """One step's drafts on the target's device, cut to the width that is verified."""
+
+    token_ids: Tensor  # (B, w) PAD_DRAFT_TOKEN where invalid
+    lengths: Tensor  # (B,) valid chain drafts / tree nodes before the per-row depth cap
+    parents: Tensor | None  # (B, w) tree parents, None for a chain
+    draft_probs: Tensor | None  # (B, w, V) or None (one-hot drafts)
 
 
 class SpeculativeGenerator:
@@ -34,87 +63,241 @@ class SpeculativeGenerator:
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
 
-    @torch.no_grad()
-    def generate(
-        self, prompt_ids: Tensor, max_new_tokens: int, eos_token_ids: set[int] | None = None
-    ) -> GenerationResult:
-        """Greedy-decode up to `max_new_tokens` tokens after `prompt_ids` (1, S), stopping after an EOS token.
+    def generate(self, prompt_ids: Tensor, max_new_tokens: int, eos_token_ids: set[int] | None = None,
+                 sampling: SamplingParams | None = None) -> GenerationResult:
+        """Decode up to `max_new_tokens` tokens after `prompt_ids` (1, S), stopping after an EOS token.
 
-        Cache bookkeeping, with c = committed tokens (prompt + generated): the target cache holds positions
-        0..c-2; the last committed token is not in it yet and is the first input of the next step::
-
-            step input   [last, d_0 .. d_w-1]      positions c-1 .. c-1+w      cache: c-1 -> c+w
-            verified     a drafts accepted + 1 recovered/bonus token
-            committed    c -> c + a + 1            cache rolled back to c + a (bonus not in it)
+        `sampling` None or temperature 0: greedy. Otherwise speculative sampling with `sampling`'s temperature,
+        top-k, top-p and seed.
         """
         if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
             raise ValueError(
-                f"generate: prompt_ids must be (1, S) with S >= 1 (batch size 1 for now), got {tuple(prompt_ids.shape)}"
+                f"generate: prompt_ids must be (1, S) with S >= 1 (generate_batch takes several prompts), "
+                f"got {tuple(prompt_ids.shape)}"
             )
+        return self.generate_batch([prompt_ids[0]], max_new_tokens, eos_token_ids, sampling)[0]
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: Sequence[Sequence[int] | Tensor], max_new_tokens: int,
+                       eos_token_ids: set[int] | None = None,
+                       sampling: SamplingParams | None = None) -> list[GenerationResult]:
+        """Decode every prompt (token id lists or 1-D tensors of any lengths) together; one result per prompt.
+
+        Greedy results equal those of `generate` on each prompt alone; each row drafts, accepts and stops on its
+        own. Cache bookkeeping of one row, with c = committed tokens (prompt + generated): its valid cache
+        slots hold positions 0..c-2; the last committed token is not in it yet and is the first input of the
+        next step::
+
+            step input   [last, d_0 .. d_w-1]        positions c-1 .. (tree: c-1 + depth)
+            verified     a drafts accepted + 1 recovered/bonus token
+            committed    c -> c + a + 1               slots of last and the accepted path kept (tree: compacted
+                                                      to consecutive slots), the rest invalid or overwritten
+        """
+        rows = [torch.as_tensor(p, dtype=torch.long).flatten().cpu() for p in prompts]
+        if not rows or any(r.numel() < 1 for r in rows):
+            raise ValueError("generate_batch: need at least one prompt, each of at least one token")
         target, proposer, k = self.target, self.proposer, self.k
-        metrics = SpecDecodingMetrics(num_spec_tokens=k)
+        device = target.device
+        batch = len(rows)
         eos = eos_token_ids or set()
+        params = sampling or GREEDY
+        sampler = None if params.greedy else Sampler(params, device)
+        metrics = [SpecDecodingMetrics(num_spec_tokens=k) for _ in rows]
         start_time = time.perf_counter()
         if max_new_tokens <= 0:
-            return GenerationResult([], metrics, 0, time.perf_counter() - start_time)
+            return [GenerationResult([], m, 0, time.perf_counter() - start_time) for m in metrics]
 
-        prompt_ids = prompt_ids.to(target.device, torch.long)
+        # ---- prefill: left-padded prompts, one row per request -------------------------------------------
+        prompt_lengths = [r.numel() for r in rows]
+        width = max(prompt_lengths)
+        pads = [width - n for n in prompt_lengths]
+        ragged = any(pads)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, pads[b]:] = r
+        ids = ids.to(device)
         aux_ids = proposer.aux_layer_ids if proposer is not None else None
-        cache = target.new_cache(1, prompt_ids.shape[1] + max_new_tokens + k + 1)
-
-        out = target.step(prompt_ids, cache, aux_layer_ids=aux_ids, logits_to_keep=1)
-        last = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # (1, 1) first generated token
-        output = [int(last.item())]
-        steps = 1
+        cache = target.new_cache(batch, width + max_new_tokens + k + 1)
+        valid = None  # (B, T_max) bool per-row valid slots; None while every slot < cache.length is valid
+        if ragged:
+            valid = torch.zeros(batch, cache.max_length, dtype=torch.bool, device=device)
+            pad_t = torch.tensor(pads, device=device)
+            valid[:, :width] = torch.arange(width, device=device)[None, :] >= pad_t[:, None]
+            positions = (torch.arange(width, device=device)[None, :] - pad_t[:, None]).clamp_min(0)  # (B, S)
+            # Pad queries see themselves only, so no softmax row is empty (an all-masked row gives NaN).
+            own = torch.eye(width, dtype=torch.bool, device=device)[None]
+            mask = (causal_mask(width, device) & (valid[:, None, :width] | own))[:, None]  # (B, 1, S, S)
+            out = target.step(ids, cache, aux_layer_ids=aux_ids, logits_to_keep=1, attention_mask=mask,
+                              position_ids=positions)
+        else:
+            out = target.step(ids, cache, aux_layer_ids=aux_ids, logits_to_keep=1)
+        last = self._choose(out.logits[:, -1], sampler)[:, None]  # (B, 1) first generated tokens
+        outputs = [[t] for t in last[:, 0].tolist()]
+        steps = [1] * batch
+        active = [not (o[0] in eos or max_new_tokens <= 1) for o in outputs]
+        positions_host = list(prompt_lengths)  # position id of each row's `last`
         if proposer is not None:
-            proposer.begin(prompt_ids)
+            proposer.begin(_right_padded(rows, width, device), sampler)
             # Feature at prompt position i pairs with the token at i+1; the last one with the first generated token.
-            proposer.extend(torch.cat([prompt_ids[:, 1:], last], dim=1), out.aux_hidden)
+            shifted = [torch.cat([r[1:].to(device), last[b]]) for b, r in enumerate(rows)]
+            aux = out.aux_hidden
+            if ragged and aux is not None:  # left-aligned -> right-aligned, as the proposer reads rows
+                index = (torch.arange(width, device=device)[None, :] + pad_t[:, None]).clamp_max(width - 1)
+                aux = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))  # (B, S, F)
+            proposer.extend(_right_padded(shifted, width, device), aux)
 
-        while output[-1] not in eos and len(output) < max_new_tokens:
-            remaining = max_new_tokens - len(output)
-            # Never draft past max_new_tokens: the a + 1 committed tokens then always fit.
-            num_drafts = min(k, remaining - 1)
-            proposal = proposer.propose(num_drafts) if proposer is not None and num_drafts > 0 else Proposal.empty(1)
-            drafts, lengths = _step_drafts(proposal, num_drafts, target.device)
+        # ---- speculative steps ------------------------------------------------------------------------------
+        while any(active):
+            remaining = [max_new_tokens - len(o) if a else 0 for o, a in zip(outputs, active)]
+            # Never draft past a row's budget: its a + 1 committed tokens then always fit.
+            num_drafts = min(k, max(remaining) - 1)
+            proposal = proposer.propose(num_drafts) if proposer is not None and num_drafts > 0 else None
+            drafts = _step_drafts(proposal, num_drafts, batch, device)
+            width = drafts.token_ids.shape[1]
+            if cache.length + width + 1 > cache.max_length:
+                valid = _defragment(cache, valid)
+            base = cache.length
+            holes = valid is not None
+            # Per-row depth budget: never past the row's max_new_tokens (rows nearer their end than others), nor
+            # deeper than the proposer was asked. A single request never needs it: no host-to-device copy then.
+            budgets = [min(max(n - 1, 0), num_drafts) for n in remaining]
+            capped = any(on and b < num_drafts for on, b in zip(active, budgets))
+            cap = torch.tensor(budgets, device=device) if capped else None  # (B,)
+            row_positions = torch.tensor(positions_host, device=device)[:, None] if holes else base  # of `last`
 
-            base = cache.length  # = c - 1
-            padded = drafts.masked_fill(drafts == PAD_DRAFT_TOKEN, 0)  # pad slots get any valid id; never accepted
-            step_ids = torch.cat([last, padded], dim=1)  # (1, 1+w)
-            out = target.step(step_ids, cache, aux_layer_ids=aux_ids)  # logits (1, 1+w, V)
-            accepted, tokens, _ = greedy_verify(drafts, lengths, out.logits)
-            # The one host sync of the step: accepted count, draft length, and the committed tokens.
-            accepted_n, drafted_n, *row = torch.cat([accepted, lengths, tokens[0]]).tolist()
-            steps += 1
-            new_tokens = row[: accepted_n + 1]
-            cache.rollback(base + accepted_n + 1)
-            if drafted_n > 0:  # a step with no drafts is not a draft (vLLM)
-                metrics.observe_draft(drafted_n, accepted_n)
+            step_ids = torch.cat([last, drafts.token_ids.clamp_min(0)], dim=1)  # (B, 1+w) PAD -> any valid id
+            if drafts.parents is not None:
+                node_valid = torch.arange(width, device=device)[None, :] < drafts.lengths[:, None]  # (B, w)
+                depths = node_depths(ancestor_mask(drafts.parents, node_valid))[:, 1:]  # (B, w)
+                node_valid = node_valid & (depths <= (cap[:, None] if cap is not None else num_drafts))
+                ancestors = ancestor_mask(drafts.parents, node_valid)  # (B, 1+w, 1+w)
+                out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
+                                  attention_mask=step_attention_mask(ancestors, valid, base),
+                                  position_ids=row_positions + node_depths(ancestors))
+                if sampler is None:
+                    accepted, tokens, path = greedy_tree_verify(drafts.token_ids, node_valid, drafts.parents,
+                                                                out.logits)
+                else:
+                    accepted, tokens, path = sampling_tree_verify(drafts.token_ids, node_valid, drafts.parents,
+                                                                  sampler.probs(out.logits), sampler, num_drafts)
+                drafted = node_valid.sum(dim=-1)
+            else:
+                lengths = drafts.lengths if cap is None else torch.minimum(drafts.lengths, cap)
+                if holes:
+                    out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
+                                      attention_mask=step_attention_mask(causal_mask(width + 1, device), valid, base),
+                                      position_ids=row_positions + torch.arange(width + 1, device=device))
+                else:
+                    out = target.step(step_ids, cache, aux_layer_ids=aux_ids)  # logits (B, 1+w, V)
+                if sampler is None:
+                    accepted, tokens, _ = greedy_verify(drafts.token_ids, lengths, out.logits)
+                else:
+                    accepted, tokens, _ = rejection_verify(drafts.token_ids, lengths, sampler.probs(out.logits),
+                                                           drafts.draft_probs, sampler)
+                path = None
+                drafted = lengths
+            # The one host sync of the step: accepted counts, draft counts and the committed tokens.
+            host = torch.cat([accepted, drafted, tokens.flatten()]).tolist()
+            accepted_h, drafted_h = host[:batch], host[batch: 2 * batch]
+            tokens_h = [host[2 * batch + b * (width + 1): 2 * batch + (b + 1) * (width + 1)] for b in range(batch)]
 
-            hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
-            if hit is not None:
-                output.extend(new_tokens[: hit + 1])
-                break
-            output.extend(new_tokens)
-            last = tokens[:, accepted_n : accepted_n + 1]  # (1, 1) recovered or bonus token
-            if proposer is not None and len(output) < max_new_tokens:
-                aux = out.aux_hidden[:, : accepted_n + 1] if out.aux_hidden is not None else None  # (1, a+1, F)
-                proposer.extend(tokens[:, : accepted_n + 1], aux)
+            was_active = list(active)
+            kept = [a + 1 if on else 0 for a, on in zip(accepted_h, was_active)]  # slots each row keeps
+            for b in range(batch):
+                if not was_active[b]:
+                    continue
+                steps[b] += 1
+                if drafted_h[b] > 0:  # a step with no drafts is not a draft (vLLM)
+                    metrics[b].observe_draft(drafted_h[b], accepted_h[b])
+                new_tokens = tokens_h[b][: kept[b]][: max_new_tokens - len(outputs[b])]
+                hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
+                if hit is not None:
+                    new_tokens = new_tokens[: hit + 1]
+                outputs[b].extend(new_tokens)
+                positions_host[b] += kept[b]
+                active[b] = hit is None and len(outputs[b]) < max_new_tokens
 
-        return GenerationResult(output, metrics, steps, time.perf_counter() - start_time)
+            # Fix the cache: keep each row's root + accepted path at base.., make the rest invalid.
+            grow = max(kept)
+            if path is not None:
+                compact_kv(cache, base, path[:, :grow])
+            if any(n < grow for n in kept) and valid is None:
+                valid = torch.zeros(batch, cache.max_length, dtype=torch.bool, device=device)
+                valid[:, :base] = True
+            if valid is not None:
+                kept_t = torch.tensor(kept, device=device)
+                valid[:, base: base + grow] = torch.arange(grow, device=device)[None, :] < kept_t[:, None]
+            cache.rollback(base + grow)
+            last = tokens.gather(1, accepted[:, None])  # (B, 1) recovered or bonus token
+
+            if proposer is not None and any(active):
+                # Rows still running get their a + 1 tokens, finished rows nothing.
+                counts = [n if on else 0 for n, on in zip(kept, active)]
+                extend_ids = tokens[:, :grow]
+                if min(counts) < grow:
+                    beyond = (torch.arange(grow, device=device)[None, :]
+                              >= torch.tensor(counts, device=device)[:, None])  # (B, grow)
+                    extend_ids = extend_ids.masked_fill(beyond, PAD_DRAFT_TOKEN)
+                aux = out.aux_hidden
+                if aux is not None:
+                    slots = path[:, :grow] if path is not None else None
+                    aux = aux[:, :grow] if slots is None else aux.gather(
+                        1, slots[..., None].expand(-1, -1, aux.shape[-1]))  # (B, grow, F)
+                proposer.extend(extend_ids, aux)
+
+        seconds = time.perf_counter() - start_time
+        return [GenerationResult(o, m, s, seconds) for o, m, s in zip(outputs, metrics, steps)]
+
+    @staticmethod
+    def _choose(logits: Tensor, sampler: Sampler | None) -> Tensor:
+        """(B, V) -> (B,) the target's argmax, or a sample from its processed distribution."""
+        return logits.argmax(dim=-1) if sampler is None else sampler.sample(sampler.probs(logits))
 
 
-def _step_drafts(proposal: Proposal, num_drafts: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Drafts to verify this step, (1, w) on `device`, and their lengths (1,).
+def _right_padded(rows: list[Tensor], width: int, device) -> Tensor:
+    """(B, width) rows left-aligned, PAD_DRAFT_TOKEN after: the layout proposers read."""
+    out = torch.full((len(rows), width), PAD_DRAFT_TOKEN, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, : r.numel()] = r.cpu()
+    return out.to(device)
 
-    Lengths a proposer keeps on the CPU (n-gram) are read for free and the drafts cut to them, so a step with
-    no match costs one token like plain decoding. Lengths on an accelerator are not read (that would be a
-    second sync); the full width is verified and the lengths mask the padding.
+
+def _step_drafts(proposal: Proposal | None, num_drafts: int, batch: int, device: torch.device) -> _StepDrafts:
+    """This step's drafts on `device`, cut to the width verified.
+
+    Chains are cut to `num_drafts`. Lengths a proposer keeps on the CPU (n-gram) are read for free and the
+    drafts cut to them, so a step with no match costs one token like plain decoding. Lengths on an accelerator
+    are not read (that would be a second sync); the full width is verified and the lengths mask the padding.
     """
-    token_ids, lengths = proposal.token_ids[:, :num_drafts], proposal.lengths.clamp_max(num_drafts)
-    if token_ids.shape[0] != 1:
-        raise ValueError(f"proposer returned {token_ids.shape[0]} rows for 1 request")
+    if proposal is None:
+        proposal = Proposal.empty(batch, device)
+    if proposal.token_ids.shape[0] != batch:
+        raise ValueError(f"proposer returned {proposal.token_ids.shape[0]} rows for {batch} requests")
+    token_ids, lengths = proposal.token_ids, proposal.lengths
+    parents, draft_probs = proposal.parents, proposal.draft_probs
+    if parents is None:
+        token_ids, lengths = token_ids[:, :num_drafts], lengths.clamp_max(num_drafts)
     if lengths.device.type == "cpu":
-        token_ids = token_ids[:, : int(lengths.max())]
-    token_ids = token_ids.to(device, torch.long)
-    return token_ids, lengths.to(device, torch.long)
+        token_ids = token_ids[:, : int(lengths.max()) if lengths.numel() else 0]
+    w = token_ids.shape[1]
+    return _StepDrafts(
+        token_ids=token_ids.to(device, torch.long),
+        lengths=lengths.to(device, torch.long),
+        parents=parents[:, :w].to(device, torch.long) if parents is not None else None,
+        draft_probs=draft_probs[:, :w].to(device) if draft_probs is not None else None,
+    )
+
+
+def _defragment(cache, valid: Tensor | None) -> Tensor | None:
+    """Gather every row's valid slots to the front of the cache; returns the new validity (None: no holes)."""
+    if valid is None:
+        raise ValueError(f"KV cache full at {cache.length} positions without holes; allocate a longer cache")
+    length = cache.length
+    counts = valid[:, :length].sum(dim=-1)  # (B,)
+    order = torch.sort((~valid[:, :length]).to(torch.int8), dim=-1, stable=True).indices  # valid slots first
+    new_length = int(counts.max())
+    compact_kv(cache, 0, order[:, :new_length])
+    cache.rollback(new_length)
+    fresh = torch.zeros_like(valid)
+    fresh[:, :new_length] = torch.arange(new_length, device=valid.device)[None, :] < counts[:, None]
+    return fresh

@@ -67,9 +67,9 @@ class NgramProposer:
     def from_config(cls, spec, target=None) -> "NgramProposer":
         return cls(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 
-    def begin(self, prompt_ids: Tensor) -> None:
-        rows = prompt_ids.detach().to("cpu", torch.long).numpy()  # (B, S)
-        self._contexts = [row.copy() for row in rows]
+    def begin(self, prompt_ids: Tensor, sampler=None) -> None:  # drafts are one-hot: the sampler is not needed
+        rows = prompt_ids.detach().to("cpu", torch.long).numpy()  # (B, S), PAD_DRAFT_TOKEN-padded
+        self._contexts = [row[row != PAD_DRAFT_TOKEN].copy() for row in rows]
         self._paired = [0] * len(rows)
 
     def extend(self, token_ids: Tensor, aux_hidden: Tensor | None = None) -> None:

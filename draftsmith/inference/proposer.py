@@ -14,17 +14,32 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from draftsmith.inference.sampling import Sampler
+
 # Fills `Proposal.token_ids` past a row's valid length. Not a vocabulary id, so it can never be accepted.
 PAD_DRAFT_TOKEN = -1
+# `Proposal.parents` entry of a tree node that continues the committed context directly.
+ROOT_PARENT = -1
 
 
 @dataclass
 class Proposal:
-    """Draft tokens for one speculative step, padded to a rectangle."""
+    """Draft tokens for one speculative step, padded to a rectangle: a chain, or a tree when `parents` is given.
+
+    A tree lists its nodes in topological order (every parent before its children); node j continues the
+    context along the path root -> ... -> parents[j] -> j, where the root (parent ROOT_PARENT) is the last
+    committed token. A chain is the tree with parents [-1, 0, 1, ..., k-2], which is what `parents=None` means.
+    Example, two candidates for the first token and two continuations of the first::
+
+        token_ids  [a, b, c, d]      a, b continue the context; c, d continue "a"
+        parents    [-1, -1, 0, 0]
+    """
 
     token_ids: Tensor  # (B, k) int64, PAD_DRAFT_TOKEN past `lengths`
-    lengths: Tensor  # (B,) int64, valid drafts per row, 0..k
-    scores: Tensor | None = None  # (B, k) draft log-probs where the proposer has them
+    lengths: Tensor  # (B,) int64, valid drafts (tree nodes) per row, 0..k
+    scores: Tensor | None = None  # (B, k) draft log-prob of each token given its parent, where the proposer has it
+    parents: Tensor | None = None  # (B, k) int64 index of each node's parent in token_ids, ROOT_PARENT = the root
+    draft_probs: Tensor | None = None  # (B, k, V) the distributions the drafts were *sampled* from; None = one-hot
 
     def __post_init__(self) -> None:
         if self.token_ids.dim() != 2 or self.lengths.shape != self.token_ids.shape[:1]:
@@ -32,10 +47,20 @@ class Proposal:
                 f"Proposal: token_ids must be (B, k) and lengths (B,), got {tuple(self.token_ids.shape)} "
                 f"and {tuple(self.lengths.shape)}"
             )
-        if self.scores is not None and self.scores.shape != self.token_ids.shape:
+        for name in ("scores", "parents"):
+            value = getattr(self, name)
+            if value is not None and value.shape != self.token_ids.shape:
+                raise ValueError(
+                    f"Proposal: {name} {tuple(value.shape)} must match token_ids {tuple(self.token_ids.shape)}"
+                )
+        if self.draft_probs is not None and (self.draft_probs.dim() != 3
+                                             or self.draft_probs.shape[:2] != self.token_ids.shape):
             raise ValueError(
-                f"Proposal: scores {tuple(self.scores.shape)} must match token_ids {tuple(self.token_ids.shape)}"
+                f"Proposal: draft_probs must be (B, k, V) for token_ids {tuple(self.token_ids.shape)}, "
+                f"got {tuple(self.draft_probs.shape)}"
             )
+        if self.parents is not None and self.draft_probs is not None:
+            raise ValueError("Proposal: tree drafts are deterministic (top-k children); draft_probs is for chains")
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device | str = "cpu") -> "Proposal":
@@ -69,14 +94,23 @@ class Proposer(Protocol):
         extend([d_0..d_a-1, b], aux @ p..p+a)            p += a + 1
 
     Tokens restated for positions the proposer already knows (the prompt) equal what it was given in `begin`.
-    Batches (B > 1) with ragged commits will pad `token_ids` with PAD_DRAFT_TOKEN past each row's count; today
-    the runtime drives B = 1 only.
+
+    Batches (B > 1): rows are independent requests of different lengths. `begin` gets the prompts right-padded
+    with PAD_DRAFT_TOKEN; `extend` gets each row's tokens right-padded with PAD_DRAFT_TOKEN past that row's count
+    (a row may get none: it has finished), its features aligned with the tokens and undefined under the padding.
+    A tree proposal (`Proposal.parents`) is verified along all its paths at once; `num_tokens` then bounds the
+    depth of the tree (the tokens that can be committed from drafts), its node count is the proposer's own.
+
+    Sampling: `begin` also gets the generation's `Sampler` (None when decoding greedily). A proposer that drafts
+    by argmax ignores it, its drafts count as one-hot (lossless at any temperature); one that *samples* its
+    drafts must draw them with `sampler.sample(sampler.probs(draft_logits))` and return those distributions as
+    `Proposal.draft_probs`, over the target vocabulary.
     """
 
     aux_layer_ids: tuple[int, ...] | None  # target features consumed (capture convention); None when none
 
-    def begin(self, prompt_ids: Tensor) -> None:
-        """Start new request(s): forget all previous state. `prompt_ids` is (B, S)."""
+    def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
+        """Start new request(s): forget all previous state. `prompt_ids` is (B, S), PAD_DRAFT_TOKEN-padded."""
         ...
 
     def extend(self, token_ids: Tensor, aux_hidden: Tensor | None) -> None:
@@ -84,5 +118,5 @@ class Proposer(Protocol):
         ...
 
     def propose(self, num_tokens: int) -> Proposal:
-        """Draft up to `num_tokens` tokens that continue the committed context."""
+        """Draft tokens that continue the committed context, at most `num_tokens` along any path."""
         ...

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 TOP_K_OFF = (0, -1)  # vLLM: top_k 0 or -1 keeps the whole vocabulary
+MIN_RACE = 1e-30  # floor of the exponential draws in `Sampler.sample`; any positive float32 works
 
 
 class SamplingError(ValueError):
@@ -105,7 +106,8 @@ class Sampler:
 
         The exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i, is
         vectorised and needs no host sync (torch.multinomial checks its input on the host side on some devices).
-        Zero-probability tokens are never picked.
+        E is kept above 0 (a draw of exactly 0 would make 0 / 0 = NaN win the argmax), so zero-probability
+        tokens are never picked.
         """
-        race = torch.empty_like(probs).exponential_(generator=self.generator)  # (..., V)
+        race = torch.empty_like(probs).exponential_(generator=self.generator).clamp_min_(MIN_RACE)  # (..., V)
         return (probs / race).argmax(dim=-1)

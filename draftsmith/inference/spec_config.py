@@ -19,8 +19,8 @@ from typing import Any
 
 from draftsmith import device as dev
 
-AVAILABLE_METHODS = ("eagle3", "eagle", "ngram", "suffix", "dflash")
-RESERVED_METHODS = ("mtp",)  # vLLM methods draftsmith will run, not yet
+AVAILABLE_METHODS = ("eagle3", "eagle", "ngram", "suffix", "dflash", "mtp")
+RESERVED_METHODS: tuple[str, ...] = ()  # vLLM methods draftsmith will run, not yet
 
 # method -> "module:Class"; each class has `from_config(spec, target) -> Proposer`. Adding a method is adding a
 # row here, never a branch in the runtime.
@@ -30,6 +30,7 @@ PROPOSERS = {
     "eagle3": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
     "eagle": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
     "dflash": "draftsmith.models.dflash.proposer:DflashProposer",
+    "mtp": "draftsmith.models.mtp.proposer:MtpProposer",  # model omitted: the target's native MTP (as vLLM)
 }
 
 # vLLM keys that do not change which tokens come out of this runtime.
@@ -39,11 +40,17 @@ IGNORED_KEYS = frozenset({
 })
 # vLLM keys that would change the output and that draftsmith does not implement yet.
 UNSUPPORTED_KEYS = frozenset({
-    "rejection_sample_method", "draft_sample_method", "spec_token_tree", "speculative_token_tree",
+    "rejection_sample_method",
     "parallel_drafting", "num_speculative_tokens_per_batch_size", "synthetic_acceptance_rates",
     "synthetic_acceptance_length", "n_predict",
 })
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's value for both bounds when neither is given
+# Keys people write for vLLM's static tree that vLLM does not read.
+TREE_KEY_ALIASES = ("spec_token_tree", "token_tree", "tree")
+# Methods whose proposers draft from per-token scores: they can draft trees and sample their drafts.
+SCORED_METHODS = ("eagle3", "eagle")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's draft_sample_method values; greedy is its default
+DYNAMIC_TREE_KEYS = ("depth", "top_k")
 # vLLM's suffix_decoding_* defaults (vllm/config/speculative.py); suffix's num_speculative_tokens defaults to the depth.
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
                    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
@@ -65,6 +72,9 @@ class SpecConfig:
     suffix_decoding_max_cached_requests: int | None = None  # suffix: outputs kept in the global trie (0: none)
     suffix_decoding_max_spec_factor: float | None = None  # suffix: draft length <= factor * match length
     suffix_decoding_min_token_prob: float | None = None  # suffix: stop below this running probability
+    draft_sample_method: str | None = None  # "greedy" (drafts count as one-hot) or "probabilistic"; None = greedy
+    speculative_token_tree: str | None = None  # vLLM's static tree, paths of child ranks: "[(0,), (1,), (0, 0)]"
+    dynamic_tree: dict[str, int] | None = None  # EAGLE-2 tree {"depth": d, "top_k": k}; nodes kept = k_spec
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -108,7 +118,8 @@ def _prompt_lookup_bounds(raw: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _suffix_options(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """suffix_decoding_* with vLLM's defaults and range checks (depth >= 1, requests >= 0, factor >= 0, prob in [0, 1])."""
+    """suffix_decoding_* with vLLM's defaults and its range checks: depth >= 1, requests >= 0, factor >= 0,
+    probability in [0, 1]."""
     opts = {key: raw.get(key, default) for key, default in SUFFIX_DEFAULTS.items()}
     opts["suffix_decoding_max_tree_depth"] = _positive_int(
         "suffix_decoding_max_tree_depth", opts["suffix_decoding_max_tree_depth"])
@@ -122,6 +133,73 @@ def _suffix_options(raw: Mapping[str, Any]) -> dict[str, Any]:
             bound = ">= 0" if high == math.inf else f"in [0, {high:g}]"
             raise SpecConfigError(f"speculative config: {key} must be a number {bound}, got {value!r}")
         opts[key] = float(value)
+    return opts
+
+
+def _tree_options(raw: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """draft_sample_method, speculative_token_tree and dynamic_tree, checked against the method and each other.
+
+    With a tree, num_speculative_tokens counts the tree's nodes (the tokens verified per step), as in vLLM:
+    a static tree fills it in when it is missing and must match it otherwise; a dynamic tree keeps that many of
+    its best nodes, so it must be at most the nodes the expansion generates (top_k + (depth-1) * top_k^2).
+    """
+    from draftsmith.inference.tree import TreeError, parse_token_tree
+
+    opts: dict[str, Any] = {}
+    sample = raw.get("draft_sample_method")
+    if sample is not None:
+        if sample not in DRAFT_SAMPLE_METHODS:
+            raise SpecConfigError(f"speculative config: draft_sample_method must be one of "
+                                  f"{', '.join(DRAFT_SAMPLE_METHODS)}, got {sample!r}")
+        if sample == "probabilistic" and method not in SCORED_METHODS:
+            raise SpecConfigError(f"speculative config: draft_sample_method 'probabilistic' needs a drafter with "
+                                  f"draft distributions ({', '.join(SCORED_METHODS)}); {method!r} drafts are one-hot")
+        opts["draft_sample_method"] = sample
+    static, dynamic = raw.get("speculative_token_tree"), raw.get("dynamic_tree")
+    if static is None and dynamic is None:
+        return opts
+    if method not in SCORED_METHODS:
+        raise SpecConfigError(f"speculative config: draft trees need a drafter with per-token scores "
+                              f"({', '.join(SCORED_METHODS)}), not {method!r}; drop the tree key")
+    if static is not None and dynamic is not None:
+        raise SpecConfigError("speculative config: give speculative_token_tree (static) or dynamic_tree, not both")
+    if sample == "probabilistic":
+        raise SpecConfigError("speculative config: draft trees draft top-k children (one-hot); "
+                              "use draft_sample_method 'greedy' or drop it")
+    k = raw.get("num_speculative_tokens")
+    if static is not None:
+        try:
+            paths = parse_token_tree(static)
+        except TreeError as e:
+            raise SpecConfigError(f"speculative config: {e}") from None
+        if k is not None and k != len(paths):
+            raise SpecConfigError(f"speculative config: num_speculative_tokens ({k}) must equal the number of "
+                                  f"nodes of speculative_token_tree ({len(paths)}), as in vLLM")
+        opts["speculative_token_tree"] = str(paths)
+        opts["num_speculative_tokens"] = len(paths)
+        return opts
+    if not isinstance(dynamic, Mapping):
+        raise SpecConfigError(f"speculative config: dynamic_tree must be an object like "
+                              f"{{\"depth\": 6, \"top_k\": 10}}, got {dynamic!r}")
+    for key in dynamic:
+        if key not in DYNAMIC_TREE_KEYS:
+            close = difflib.get_close_matches(str(key), DYNAMIC_TREE_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecConfigError(f"speculative config: unknown key dynamic_tree.{key}{hint}; "
+                                  f"known: {', '.join(DYNAMIC_TREE_KEYS)}")
+    missing = [key for key in DYNAMIC_TREE_KEYS if key not in dynamic]
+    if missing:
+        raise SpecConfigError(f"speculative config: dynamic_tree needs {', '.join(missing)}")
+    depth = _positive_int("dynamic_tree.depth", dynamic["depth"])
+    top_k = _positive_int("dynamic_tree.top_k", dynamic["top_k"])
+    if k is None:
+        raise SpecConfigError("speculative config: a dynamic_tree needs 'num_speculative_tokens', the number of "
+                              "tree nodes verified per step (EAGLE's total_token - 1)")
+    generated = top_k + (depth - 1) * top_k * top_k
+    if isinstance(k, int) and not isinstance(k, bool) and k > generated:
+        raise SpecConfigError(f"speculative config: num_speculative_tokens ({k}) exceeds the {generated} nodes a "
+                              f"dynamic_tree of depth {depth} and top_k {top_k} generates; lower it or grow the tree")
+    opts["dynamic_tree"] = {"depth": depth, "top_k": top_k}
     return opts
 
 
@@ -144,6 +222,9 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
     for key in raw:
         if key in fields or key in IGNORED_KEYS:
             continue
+        if key in TREE_KEY_ALIASES:
+            raise SpecConfigError(f"speculative config: key {key!r} is not supported; vLLM's key for a static tree "
+                                  "is 'speculative_token_tree' (draftsmith's dynamic EAGLE-2 tree: 'dynamic_tree')")
         if key in UNSUPPORTED_KEYS:
             raise SpecConfigError(f"speculative config: key {key!r} is not supported by draftsmith's runtime yet")
         close = difflib.get_close_matches(str(key), sorted(fields | IGNORED_KEYS), n=1)
@@ -155,13 +236,16 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
     suffix = _suffix_options(raw) if method == "suffix" else {}
     if raw.get("num_speculative_tokens") is None and suffix:  # vLLM: suffix drafts up to the tree depth
         raw = {**raw, "num_speculative_tokens": suffix["suffix_decoding_max_tree_depth"]}
+    tree = _tree_options(raw, method)
+    if "num_speculative_tokens" in tree:  # a static tree sets the node count
+        raw = {**raw, "num_speculative_tokens": tree.pop("num_speculative_tokens")}
     if raw.get("num_speculative_tokens") is None:
         raise SpecConfigError("speculative config: 'num_speculative_tokens' is required (an integer > 0)")
     k = _positive_int("num_speculative_tokens", raw["num_speculative_tokens"])
     model = raw.get("model")
     if model is not None and not isinstance(model, str):
         raise SpecConfigError(f"speculative config: model must be a path string, got {model!r}")
-    if method in ("eagle", "eagle3") and not model:
+    if method in ("eagle", "eagle3", "dflash") and not model:
         raise SpecConfigError(f"speculative config: method {method!r} needs 'model', the drafter checkpoint path")
     # prompt_lookup_* are accepted for every method, as vLLM does, but only mean something for ngram.
     low, high = _prompt_lookup_bounds(raw) if method == "ngram" else (None, None)
@@ -174,7 +258,7 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
             f"use num_speculative_tokens <= {NPU_MAX_TOKENS_PER_ROUND - 1}"
         )
     return SpecConfig(method=method, num_speculative_tokens=k, model=model,
-                      prompt_lookup_max=high, prompt_lookup_min=low, **suffix)
+                      prompt_lookup_max=high, prompt_lookup_min=low, **suffix, **tree)
 
 
 def build_proposer(spec: SpecConfig, target):

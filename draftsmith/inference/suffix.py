@@ -53,7 +53,7 @@ class SuffixTrie:
     """All substrings of length <= `max_depth` of several token sequences, with occurrence counts.
 
     A sequence is grown with `append`; `_active[seq]` holds the nodes of its current suffixes of lengths
-    1 .. max_depth-1 (longest first dropped), the only nodes a new token can extend.
+    1 .. max_depth-1, the only nodes a new token can extend (a suffix of length max_depth is as deep as it gets).
     """
 
     def __init__(self, max_depth: int):
@@ -202,10 +202,13 @@ class SuffixProposer:
         """Ids of the requests whose outputs are in the global trie, oldest first (ids count `begin` rows)."""
         return list(self._cached)
 
-    def begin(self, prompt_ids: Tensor) -> None:
+    def begin(self, prompt_ids: Tensor, sampler=None) -> None:
+        """New requests, one per row (PAD_DRAFT_TOKEN-padded); the global trie stays. Drafts are deterministic
+        (most frequent continuation), so `sampler` is not needed: they verify as one-hot drafts."""
         rows = prompt_ids.detach().to("cpu", torch.long).tolist()  # (B, S)
         self._locals, self._contexts, self._requests, self._paired = [], [], [], []
         for row in rows:
+            row = [t for t in row if t != PAD_DRAFT_TOKEN]
             local = SuffixTrie(self.max_tree_depth)
             local.extend(0, row)
             self._locals.append(local)
@@ -224,7 +227,9 @@ class SuffixProposer:
     def extend(self, token_ids: Tensor, aux_hidden: Tensor | None = None) -> None:
         rows = token_ids.detach().to("cpu", torch.long).tolist()  # (B, n)
         if len(rows) != len(self._contexts):
-            raise ValueError(f"suffix: extend got {len(rows)} rows for {len(self._contexts)} requests; call begin first")
+            raise ValueError(
+                f"suffix: extend got {len(rows)} rows for {len(self._contexts)} requests; call begin first"
+            )
         for b, row in enumerate(rows):
             row = [t for t in row if t != PAD_DRAFT_TOKEN]
             context = self._contexts[b]

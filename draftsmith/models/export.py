@@ -2,38 +2,65 @@
 
 Formats are a table, format name -> exporter; each exporter takes (checkpoint, out_dir, overwrite=..., dtype=...), checks the
 checkpoint's method itself, validates before writing, writes all or nothing, and returns an `ExportResult`.
-Adding a format (speculators, dflash) means adding a row here and an exporter in its drafter's folder.
+Adding a format means adding a row to EXPORTERS, FORMAT_METHODS and FORMAT_HELP, and an exporter in its drafter's
+folder. `--format all` runs every exporter whose method matches the checkpoint's, each into `DIR/<format>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from draftsmith.models.checkpoint import CheckpointError, ExportError, ExportResult
+from draftsmith.models.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    ExportError,
+    ExportResult,
+    check_output_dir,
+    read_json,
+    resolve_checkpoint,
+)
 from draftsmith.models.dflash.export import export_dflash
 from draftsmith.models.eagle3.export import export_native_eagle3
+from draftsmith.models.eagle3.speculators import export_speculators
+from draftsmith.models.mtp.export import export_mtp
 
 Exporter = Callable[..., ExportResult]  # (checkpoint, out_dir, *, overwrite: bool, dtype) -> ExportResult
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
 EXPORTERS: dict[str, Exporter] = {
     "sglang": export_native_eagle3,  # native EAGLE-3: SGLang, and vLLM with "method": "eagle3"
+    "dflash": export_dflash,  # DFlashDraftModel: vLLM (method dflash) and SGLang (DFLASH)
+    "speculators": export_speculators,  # vllm-project/speculators: `vllm serve DIR`, the speculators package
+    "mtp": export_mtp,  # native MTP layout (vLLM method mtp) when the target has one, else draftsmith's format
+}
+FORMAT_METHODS = {  # format -> the drafter method it exports; `--format all` skips the others
+    "sglang": "eagle3",
+    "dflash": "dflash",
+    "speculators": "eagle3",
+    "mtp": "mtp",
 }
 FORMAT_HELP = {
     "sglang": "native EAGLE-3 (LlamaForCausalLMEagle3): SGLang, and vLLM with method eagle3",
+    "dflash": "DFlashDraftModel: vLLM with method dflash, SGLang with DFLASH",
+    "speculators": "speculators EAGLE-3 (speculators_config): `vllm serve DIR`, and the speculators package",
+    "mtp": "MTP: the target's native layout (vLLM with method mtp) when it has one, else draftsmith's own format",
 }
+ALL = "all"  # every format that applies to the checkpoint's method, each into DIR/<format>
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path,
                    help="a checkpoint-N folder, or a training output_dir (meaning its latest checkpoint)")
-    p.add_argument("--format", required=True, choices=sorted(EXPORTERS),
-                   help="; ".join(f"{k}: {v}" for k, v in FORMAT_HELP.items()))
+    p.add_argument("--format", required=True, choices=[*sorted(EXPORTERS), ALL],
+                   help="; ".join(f"{k}: {v}" for k, v in FORMAT_HELP.items())
+                   + f"; {ALL}: every format for the checkpoint's method, into DIR/<format>")
     p.add_argument("--out", required=True, type=Path, help="folder to write (created; must be empty or absent)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(EXPORT_DTYPES),
@@ -49,20 +76,79 @@ def _size(n: int) -> str:
     return f"{size:.1f} GiB"
 
 
-def run_export(args: argparse.Namespace) -> int:
+def export_all(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> tuple[dict[str, ExportResult], list[str]]:
+    """({format: result}, skipped notes): every format whose FORMAT_METHODS entry matches the checkpoint's method.
+
+    Each format is written all or nothing into `out_dir/<format>`; when one is refused, the folders this call
+    created are removed again, so a failed `all` leaves no half set behind.
+    """
+    out_dir = Path(out_dir)
+    ckpt = resolve_checkpoint(checkpoint)
+    raw = read_json(ckpt / CONFIG_FILE)
+    method = raw.get("method") if isinstance(raw, dict) else None
+    check_output_dir(out_dir, overwrite, keep=(ckpt,))
+    skipped = []
+    for name in EXPORTERS:
+        if name not in FORMAT_METHODS:
+            skipped.append(f"{name}: skipped, its drafter method is unknown (add it to FORMAT_METHODS)")
+        elif FORMAT_METHODS[name] != method:
+            skipped.append(f"{name}: skipped, it exports {FORMAT_METHODS[name]} drafters and this is {method}")
+    formats = [name for name in EXPORTERS if FORMAT_METHODS.get(name) == method]
+    if not formats:
+        raise ExportError(f"{ckpt / CONFIG_FILE}: no export format for method {method!r}")
+
+    made_root = not out_dir.exists()
+    created: list[Path] = []
+    results: dict[str, ExportResult] = {}
     try:
-        result = EXPORTERS[args.format](args.checkpoint, args.out, overwrite=args.overwrite,
-                                        dtype=EXPORT_DTYPES[args.dtype])
-    except (CheckpointError, ExportError) as e:
-        print(f"draftsmith export: error: {e}", file=sys.stderr)
-        return 2
+        for name in formats:
+            existed = (out_dir / name).exists()
+            try:
+                results[name] = EXPORTERS[name](ckpt, out_dir / name, overwrite=overwrite, dtype=dtype)
+            except (CheckpointError, ExportError) as e:
+                raise ExportError(f"format {name}: {e}") from None
+            if not existed:
+                created.append(out_dir / name)
+    except BaseException:
+        for path in created:
+            shutil.rmtree(path, ignore_errors=True)
+        if made_root and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    return results, skipped
+
+
+def _report(result: ExportResult, fmt: str) -> None:
     for warning in result.warnings:
-        print(f"draftsmith export: warning: {warning}", file=sys.stderr)
-    print(f"wrote {result.out_dir} ({args.format}):")
+        print(f"draftsmith export: warning: {fmt}: {warning}", file=sys.stderr)
+    print(f"wrote {result.out_dir} ({fmt}):")
     for path in result.files:
         print(f"  {path.name:<20} {_size(path.stat().st_size)}")
     for engine, command in result.serve_commands.items():
         print(f"\nserve with {engine}:\n  {command}")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    dtype = EXPORT_DTYPES[args.dtype]
+    try:
+        if args.format == ALL:
+            results, skipped = export_all(args.checkpoint, args.out, overwrite=args.overwrite, dtype=dtype)
+        else:
+            results = {args.format: EXPORTERS[args.format](args.checkpoint, args.out, overwrite=args.overwrite,
+                                                           dtype=dtype)}
+            skipped = []
+    except (CheckpointError, ExportError) as e:
+        print(f"draftsmith export: error: {e}", file=sys.stderr)
+        return 2
+    for i, (fmt, result) in enumerate(results.items()):
+        if i:
+            print()
+        _report(result, fmt)
+    for note in skipped:
+        print(f"draftsmith export: note: {note}", file=sys.stderr)
     return 0
 
 

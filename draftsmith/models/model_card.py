@@ -108,6 +108,27 @@ def _fenced(text: str, lang: str) -> str:
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
+SERVING_HEADING = "## Serving"
+
+
+def serving_section(serve_commands: Mapping[str, str]) -> str:
+    """The "## Serving" section: one fenced command per engine, pasteable as is."""
+    return f"{SERVING_HEADING}\n\n" + "\n\n".join(
+        f"{engine}:\n\n{_fenced(cmd, 'bash')}" for engine, cmd in serve_commands.items()
+    )
+
+
+def replace_serving_section(card: str, serve_commands: Mapping[str, str]) -> str | None:
+    """`card` with its Serving section rebuilt from `serve_commands` (e.g. naming the Hub repo instead of the local
+    folder), or None when the card has no such section."""
+    start = card.find(f"\n{SERVING_HEADING}\n")
+    if start < 0:
+        return None
+    end = card.find("\n## ", start + len(SERVING_HEADING) + 2)
+    rest = card[end:] if end >= 0 else "\n"
+    return card[: start + 1] + serving_section(serve_commands) + ("\n" + rest if end >= 0 else rest)
+
+
 def render_model_card(
     *,
     target: str,
@@ -147,8 +168,7 @@ def render_model_card(
         "number only shows as low acceptance, so both forms are in `config.json`:\n\n"
         "| convention | config key | ids |\n|---|---|---|\n"
         + "\n".join(f"| {conv} | `{key}` | `{list(ids)}` |" for conv, key, ids in aux_layer_ids),
-        "## Serving\n\n"
-        + "\n\n".join(f"{engine}:\n\n{_fenced(cmd, 'bash')}" for engine, cmd in serve_commands.items()),
+        serving_section(serve_commands),
     ]
     if eval_result:
         table = acceptance_table(eval_result)

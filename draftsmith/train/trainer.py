@@ -29,6 +29,7 @@ from draftsmith.config import Recipe, recipe_to_dict, save_recipe
 METHODS = {
     "eagle3": "draftsmith.models.eagle3.training:Eagle3Method",
     "dflash": "draftsmith.models.dflash.training:DflashMethod",
+    "mtp": "draftsmith.models.mtp.training:MtpMethod",
 }
 LATEST = "latest"
 STATE_DIR = "training_state"

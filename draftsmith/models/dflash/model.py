@@ -163,44 +163,53 @@ class DflashDrafter(nn.Module):
 
     # ---- runtime: cached context, one block per step -------------------------------------------------------------
     def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:
+        """Zero-filled: in a batch a row's mask hides slots other rows wrote, and a masked NaN would still poison
+        the attention product (0 * NaN), so no slot may hold uninitialised memory."""
         cfg = self.config
-        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_length,
-                       dtype, device)
+        cache = KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_length,
+                        dtype, device)
+        cache.keys.zero_()
+        cache.values.zero_()
+        return cache
 
-    def extend_context(self, aux_hidden, cache: KVCache) -> None:
-        """Append the context K/V of T committed positions (cache.length ..) to every layer; aux_hidden (B, T, n*H)."""
-        b, t, _ = aux_hidden.shape
-        start, end = cache.length, cache.length + t
-        if end > cache.max_length:
-            raise ValueError(f"DFlash context cache overflow: {end} > {cache.max_length}")
+    def extend_context(self, aux_hidden, cache: KVCache, positions) -> None:
+        """Write the context K/V of committed positions into every layer's cache slots, slot = position.
+
+        aux_hidden (B, T, n*H); positions (B, T) int64, each row's own (rows of a batch grow independently), all
+        below cache.max_length (the caller sizes the cache; checking here would cost a device sync).
+        """
         context = self.fuse(aux_hidden)  # (B, T, H)
-        cos, sin = self.rope(context, torch.arange(start, end, device=context.device).unsqueeze(0).expand(b, -1))
+        cos, sin = self.rope(context, positions)
+        slots = positions[:, None, :, None].expand(-1, self.config.num_key_value_heads, -1, self.config.head_dim)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(context, cos, sin)
-            cache.keys[i, :, :, start:end] = k
-            cache.values[i, :, :, start:end] = v
-        cache.length = end
+            k, v = layer.self_attn.key_value(context, cos, sin)  # (B, kv, T, hd)
+            cache.keys[i].scatter_(2, slots, k.to(cache.keys.dtype))
+            cache.values[i].scatter_(2, slots, v.to(cache.values.dtype))
 
-    def draft_block(self, block_embeds, cache: KVCache):
-        """Run one block (B, B_k, H) at positions cache.length.., seeing all cached context and itself.
+    def draft_block(self, block_embeds, cache: KVCache, starts, key_length: int):
+        """Run one block (B, B_k, H) per row at positions starts[b] .. starts[b]+B_k-1 (starts (B,) = each row's
+        context length), seeing that row's cached context and its own block; returns final-normed (B, B_k, H).
 
-        The block's own K/V go into the cache slots after the context and are left there unclaimed (cache.length
-        does not move), so the next `extend_context` overwrites them: the cache only ever holds the context.
-        Returns the final-normed hidden states (B, B_k, H).
+        The block's K/V go into the slots right after each row's context, which stay unclaimed: the next
+        `extend_context` overwrites them, so the cache only ever holds context. `key_length` >= max(starts) + B_k
+        bounds the slots read.
         """
         b, t, _ = block_embeds.shape
-        start, end = cache.length, cache.length + t
-        if end > cache.max_length:
-            raise ValueError(f"DFlash context cache overflow: {end} > {cache.max_length}")
+        if key_length > cache.max_length:
+            raise ValueError(f"DFlash context cache overflow: {key_length} > {cache.max_length}")
         hidden = block_embeds.to(self.fc.weight.dtype)
-        cos, sin = self.rope(hidden, torch.arange(start, end, device=hidden.device).unsqueeze(0).expand(b, -1))
+        positions = starts[:, None] + torch.arange(t, device=hidden.device)  # (B, B_k)
+        cos, sin = self.rope(hidden, positions)
+        slots = positions[:, None, :, None].expand(-1, self.config.num_key_value_heads, -1, self.config.head_dim)
+        key_pos = torch.arange(key_length, device=hidden.device)
+        mask = (key_pos[None, :] < (starts + t)[:, None])[:, None, None, :]  # (B, 1, 1, K): context + own block
         scale = self.config.head_dim ** -0.5
         for i, layer in enumerate(self.layers):
 
             def attend_cached(q, k, v, i=i):
-                cache.keys[i, :, :, start:end] = k
-                cache.values[i, :, :, start:end] = v
-                return attend(q, cache.keys[i, :, :, :end], cache.values[i, :, :, :end], None, scale)
+                cache.keys[i].scatter_(2, slots, k.to(cache.keys.dtype))
+                cache.values[i].scatter_(2, slots, v.to(cache.values.dtype))
+                return attend(q, cache.keys[i, :, :, :key_length], cache.values[i, :, :, :key_length], mask, scale)
 
             hidden = layer(hidden, cos, sin, attend_cached)
         return self.norm(hidden)
@@ -240,19 +249,20 @@ def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise DrafterLoadError(f"{config_path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    tensors = load_file(str(weights_path))
+    native = "DFlashDraftModel" in (raw.get("architectures") or [])
+    if raw.get("method") != "dflash" and not native:
+        raise DrafterLoadError(f"{config_path}: not a DFlash drafter (no \"method\": \"dflash\" and architectures "
+                               f"{raw.get('architectures')} are not ['DFlashDraftModel'])")
+    mask_file = folder / MASK_EMBEDDING_FILE
     try:
-        if raw.get("method") == "dflash":
-            return DflashDrafterConfig.from_dict(raw), tensors
-        if "DFlashDraftModel" in (raw.get("architectures") or []):
-            mask_file = folder / MASK_EMBEDDING_FILE
-            if mask_file.is_file():
-                tensors["mask_embedding"] = read_mask_embedding(mask_file, raw)
-            return config_from_export(raw, learned_mask=mask_file.is_file()), tensors
+        config = (DflashDrafterConfig.from_dict(raw) if not native
+                  else config_from_export(raw, learned_mask=mask_file.is_file()))
     except (DflashConfigError, KeyError, TypeError) as e:
         raise DrafterLoadError(f"{config_path}: {e}") from None
-    raise DrafterLoadError(f"{config_path}: not a DFlash drafter (no \"method\": \"dflash\" and architectures "
-                           f"{raw.get('architectures')} are not ['DFlashDraftModel'])")
+    tensors = load_file(str(weights_path))
+    if native and mask_file.is_file():
+        tensors["mask_embedding"] = read_mask_embedding(mask_file, raw)
+    return config, tensors
 
 
 def read_mask_embedding(path: Path, config: dict) -> torch.Tensor:

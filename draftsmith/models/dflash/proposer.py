@@ -1,17 +1,22 @@
 """DFlash as a runtime `Proposer`: one drafter pass per step drafts a whole block.
 
-State between calls: the drafter cache holds the context K/V of every position p' < p whose target feature the
-runtime has handed over, and `self.last` is the token at position p, the last committed one (the target has not
-run it yet, so it has no feature). `propose(k)` runs the block [last, mask x (B_k-1)] at positions p..p+B_k-1 and
-returns slots 1..k: exactly the training layout (model.py), whatever k is. The block never enters the cache, so a
-rejected draft needs no rollback; `extend` appends the features of the committed tokens only.
+State between calls, per row b: the drafter cache holds the context K/V of positions 0 .. p_b - 1 (every position
+whose target feature the runtime has handed over), and `self.last[b]` is the token at position p_b, the last
+committed one (the target has not run it yet, so it has no feature). `propose(k)` runs the block
+[last, mask x (B_k-1)] at positions p_b .. p_b+B_k-1 and returns slots 1..k: exactly the training layout
+(model.py), whatever k is. The block never claims cache slots, so a rejected draft needs no rollback; `extend`
+appends the features of committed tokens only.
+
+Rows of a batch grow independently (`extend` pads each row with PAD_DRAFT_TOKEN past its count). Their lengths
+stay on the device; the host only keeps an upper bound (`self.bound`, the widest row could have grown by every
+extend's full width) to size the cache and the slice of it that is read, so no step waits for the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.inference.proposer import Proposal
+from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.dflash.config import DflashConfigError
 from draftsmith.models.dflash.model import DflashDrafter, load_drafter
 from draftsmith.models.target import KVCache
@@ -28,7 +33,9 @@ class DflashProposer:
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache: KVCache | None = None
-        self.last: torch.Tensor | None = None  # (B, 1) token at the newest committed position
+        self.lengths: torch.Tensor | None = None  # (B,) context positions cached per row (p_b)
+        self.bound = 0  # host-side upper bound of max(lengths)
+        self.last: torch.Tensor | None = None  # (B, 1) token at each row's newest committed position
 
     @classmethod
     def from_config(cls, spec, target) -> "DflashProposer":
@@ -49,29 +56,44 @@ class DflashProposer:
             )
         return cls(drafter, target.embed_tokens, target.lm_head)
 
-    def begin(self, prompt_ids: torch.Tensor) -> None:
-        batch = prompt_ids.shape[0]
-        length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
-        self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
-        self.last = prompt_ids[:, -1:].to(self.device)
+    def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
+        """Drafts are argmax (one-hot), lossless at any temperature: the sampler is not needed."""
+        batch, width = prompt_ids.shape
+        self.cache = self.drafter.new_cache(batch, max(INITIAL_CACHE_LENGTH, 2 * width), self.dtype, self.device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.bound = 0
+        self.last = prompt_ids[:, :1].to(self.device)  # replaced by the prefill's extend
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.cache.max_length:
             return
+        tight = int(self.lengths.max())  # the bound overestimates in batches: re-read it before growing
+        needed, self.bound = needed - (self.bound - tight), tight
+        if needed <= self.cache.max_length:
+            return
         bigger = self.drafter.new_cache(self.cache.keys.shape[1], max(needed, 2 * self.cache.max_length),
                                         self.dtype, self.device)
-        bigger.keys[..., : self.cache.length, :] = self.cache.keys[..., : self.cache.length, :]
-        bigger.values[..., : self.cache.length, :] = self.cache.values[..., : self.cache.length, :]
-        bigger.length = self.cache.length
+        bigger.keys[..., : self.bound, :] = self.cache.keys[..., : self.bound, :]
+        bigger.values[..., : self.bound, :] = self.cache.values[..., : self.bound, :]
         self.cache = bigger
 
     @torch.no_grad()
     def extend(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         if aux_hidden is None:
             raise ValueError("DFlash needs the target's aux hidden states in extend()")
-        self._ensure_capacity(self.cache.length + token_ids.shape[1] + self.block_size)
-        self.drafter.extend_context(aux_hidden.to(self.dtype), self.cache)  # positions p .. p+n-1
-        self.last = token_ids[:, -1:]  # the token at p+n, now the newest committed one
+        n = token_ids.shape[1]
+        if n == 0:
+            return
+        self._ensure_capacity(self.bound + n + self.block_size)
+        token_ids = token_ids.to(self.device)
+        counts = (token_ids != PAD_DRAFT_TOKEN).sum(dim=1)  # (B,) committed tokens per row
+        positions = self.lengths[:, None] + torch.arange(n, device=self.device)  # (B, n) p_b .. p_b+n-1
+        # Padding columns write past the row's new length: slots the next extend or block overwrites.
+        self.drafter.extend_context(aux_hidden.to(self.dtype), self.cache, positions)
+        newest = token_ids.gather(1, (counts - 1).clamp(min=0)[:, None])  # (B, 1) the token at p_b + count
+        self.last = torch.where(counts[:, None] > 0, newest, self.last)
+        self.lengths = self.lengths + counts
+        self.bound += n
 
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
@@ -80,14 +102,14 @@ class DflashProposer:
             return Proposal.empty(batch, self.device)
         if num_tokens > self.block_size - 1:
             raise ValueError(f"DFlash drafts at most block_size - 1 = {self.block_size - 1} tokens, asked {num_tokens}")
-        self._ensure_capacity(self.cache.length + self.block_size)
-        anchor = self.embed_tokens(self.last)  # (B, 1, H)
+        key_length = self.bound + self.block_size
+        self._ensure_capacity(key_length)
         mask_embed = None
         if not self.drafter.config.learned_mask:
             mask_embed = self.embed_tokens.weight[self.drafter.config.mask_token_id]
-        block = self.drafter.block_inputs(anchor, mask_embed)  # (B, B_k, H)
-        hidden = self.drafter.draft_block(block, self.cache)[:, 1:num_tokens + 1]  # (B, k, H) slots 1..k
-        logprobs = torch.log_softmax(self.lm_head(hidden).float(), dim=-1)  # (B, k, V)
+        block = self.drafter.block_inputs(self.embed_tokens(self.last), mask_embed)  # (B, B_k, H)
+        hidden = self.drafter.draft_block(block, self.cache, self.lengths, key_length)[:, 1:num_tokens + 1]
+        logprobs = torch.log_softmax(self.lm_head(hidden).float(), dim=-1)  # (B, k, V) slots 1..k
         scores, token_ids = logprobs.max(dim=-1)
         lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
         return Proposal(token_ids=token_ids, lengths=lengths, scores=scores)

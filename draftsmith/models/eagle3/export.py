@@ -297,28 +297,26 @@ def check_state_dict(
     config: dict[str, Any],
     expected: dict[str, tuple[tuple[int, ...], str]],
     tensors: dict[str, torch.Tensor],
-    optional: dict[str, tuple[tuple[int, ...], str]] | None = None,
 ) -> list[str]:
-    """Names, shapes and dtypes of `tensors` against one consumer's contract; `optional` names may be absent.
+    """Names, shapes and dtypes of `tensors` against one consumer's contract `expected` (name -> (shape, why)).
 
     Shared by every EAGLE-3 layout: only the names differ between them, not the shapes or the vocabulary maps.
     """
     problems: list[str] = []
-    allowed = {**expected, **(optional or {})}
     missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(allowed))
+    unexpected = sorted(set(tensors) - set(expected))
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors (engines would ignore them silently): {', '.join(unexpected)}")
     shapes_ok = True
-    for name in sorted(set(allowed) & set(tensors)):
-        shape, why = allowed[name]
+    for name in sorted(set(expected) & set(tensors)):
+        shape, why = expected[name]
         if tuple(tensors[name].shape) != shape:
             problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
             shapes_ok = False
     dtypes_ok = True
-    for name in sorted(set(allowed) & set(tensors)):
+    for name in sorted(set(expected) & set(tensors)):
         t = tensors[name]
         want = {"d2t": torch.int64, "t2d": torch.bool}.get(name)
         if want is not None and t.dtype != want:
@@ -326,7 +324,7 @@ def check_state_dict(
             dtypes_ok = False
         elif want is None and not t.is_floating_point():
             problems.append(f"{name}: dtype {t.dtype}, expected a floating-point weight")
-    if "d2t" in tensors and "t2d" in tensors and "d2t" in allowed and shapes_ok and dtypes_ok:
+    if "d2t" in tensors and "t2d" in tensors and "d2t" in expected and shapes_ok and dtypes_ok:
         problems += check_vocab_maps(config, tensors["d2t"], tensors["t2d"])
     return problems
 

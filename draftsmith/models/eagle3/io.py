@@ -69,6 +69,11 @@ def eagle3_config_from_native(
     if not num_layers:
         num_layers = max(ids) + 3
         notes.append(f"the target's layer count is unknown: assumed {num_layers} (last aux id + 3)")
+    max_pos = cfg.get("max_position_embeddings", 4096)
+    target_max = target_config.get("max_position_embeddings")
+    if isinstance(target_max, int) and target_max > max_pos:  # yuhuili's configs ship 2048 for 128k targets
+        notes.append(f"max_position_embeddings raised from {max_pos} to the target's {target_max}")
+        max_pos = target_max
     rope = cfg.get("rope_parameters") or {
         **(cfg.get("rope_scaling") or {}),
         "rope_type": (cfg.get("rope_scaling") or {}).get("rope_type", "default"),
@@ -82,7 +87,7 @@ def eagle3_config_from_native(
         target_hidden_size=cfg.get("target_hidden_size") or hidden,
         num_target_layers=num_layers, aux_layer_ids=list(ids),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), hidden_act=cfg.get("hidden_act", "silu"),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096), rope_parameters=dict(rope),
+        max_position_embeddings=max_pos, rope_parameters=dict(rope),
         attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
         target_name_or_path=prov.get("target") or prov.get("target_name_or_path") or "",
         target_architectures=list(prov.get("target_architectures") or target_config.get("architectures") or []),

@@ -159,23 +159,26 @@ class Eagle3Drafter(nn.Module):
         attn = self.midlayer.self_attn
         return KVCache(1, batch_size, attn.num_kv_heads, attn.head_dim, max_length, dtype, device)
 
-    def step(self, embeds, hidden, cache: KVCache):
-        """Append T pairs (embeds (B,T,H), hidden (B,T,H)) at positions cache.length..; returns output hidden (B,T,H).
+    def step(self, embeds, hidden, cache: KVCache, attention_mask=None, position_ids=None):
+        """Append T pairs (embeds (B,T,H), hidden (B,T,H)) at slots cache.length..; returns output hidden (B,T,H).
 
         `hidden` is fc(aux) for committed context and the drafter's previous output hidden while drafting.
+        `attention_mask` (B or 1, 1, T, cache.length+T) bool replaces the causal mask and `position_ids` (B, T)
+        the slot positions (draft trees, batches with per-row lengths).
         """
         b, t, _ = embeds.shape
         start, end = cache.length, cache.length + t
         if end > cache.max_length:
             raise ValueError(f"draft KV cache overflow: {end} > {cache.max_length}")
-        position_ids = torch.arange(start, end, device=embeds.device).unsqueeze(0).expand(b, -1)
+        if position_ids is None:
+            position_ids = torch.arange(start, end, device=embeds.device).unsqueeze(0).expand(b, -1)
         cos, sin = self.rope(embeds, position_ids)
         attn = self.midlayer.self_attn
         q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
         cache.keys[0, :, :, start:end] = k
         cache.values[0, :, :, start:end] = v
-        mask = None
-        if t > 1:
+        mask = attention_mask
+        if mask is None and t > 1:
             mask = (torch.arange(end, device=embeds.device)[None, :]
                     <= torch.arange(start, end, device=embeds.device)[:, None])[None, None]
         out = attend(q, cache.keys[0, :, :, :end], cache.values[0, :, :, :end], mask, scale=attn.head_dim ** -0.5)

@@ -1,32 +1,66 @@
-"""EAGLE-3 as a runtime `Proposer`: greedy chain drafting with the drafter's own KV cache.
+"""EAGLE-3 as a runtime `Proposer`: chain drafting (argmax or sampled) and EAGLE-2 draft trees, any batch size.
 
 State between calls: the drafter cache holds the committed pairs (embed(x_{t+1}), g_t) for t < p, and
 `self.next_hidden` is the drafter's output hidden at the last committed position, whose logits give the first
-draft. Drafting appends speculative positions to the cache; the next `extend` rolls them back first.
+draft. Drafting appends speculative slots to the cache; the next `extend` drops them (rolls back to the
+committed slots) and appends the accepted tokens paired with the *target's* features, so the drafter never
+needs its tree slots compacted: only the target's cache is.
+
+Batches (B > 1) use the layout of the target's cache in the generator: one write pointer for all rows, a (B, T)
+validity mask and per-row positions, because rows commit different numbers of tokens per step. Position of a
+pair = the number of committed pairs before it in its row; draft node at tree depth d sits at position p + d - 1.
+
+Trees: `tree.static_tree` (vLLM's `speculative_token_tree`) or `tree.dynamic_tree` (EAGLE-2), each expansion
+one drafter step over a level of nodes with a tree mask: a node attends to the committed context, its
+expanded ancestors and itself.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from draftsmith.inference.proposer import Proposal
+from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
+from draftsmith.inference.sampling import Sampler
+from draftsmith.inference.tree import causal_mask, dynamic_tree, parse_token_tree, static_tree, step_attention_mask
 from draftsmith.models.eagle3.io import load_drafter
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.target import KVCache
 
 INITIAL_CACHE_LENGTH = 2048
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's draft_sample_method values
 
 
 class Eagle3Proposer:
-    def __init__(self, drafter: Eagle3Drafter, embed_tokens: torch.nn.Module):
+    def __init__(self, drafter: Eagle3Drafter, embed_tokens: torch.nn.Module, draft_sample_method: str = "greedy",
+                 token_tree: list[tuple[int, ...]] | None = None, dynamic_tree: dict | None = None,
+                 num_nodes: int | None = None):
+        """`token_tree` (breadth-first paths) or `dynamic_tree` ({"depth", "top_k"}, with `num_nodes` kept)
+        turn on tree drafting; neither: chains."""
+        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"eagle3: draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
+                             f"got {draft_sample_method!r}")
+        if token_tree is not None and dynamic_tree is not None:
+            raise ValueError("eagle3: give a static token tree or a dynamic tree, not both")
+        if dynamic_tree is not None and not num_nodes:
+            raise ValueError("eagle3: a dynamic tree needs num_nodes (num_speculative_tokens)")
         self.drafter = drafter
         self.embed_tokens = embed_tokens  # the target's, shared
         self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
+        self.draft_sample_method = draft_sample_method
+        self.token_tree = token_tree
+        self.dynamic_tree = dynamic_tree
+        self.num_nodes = num_nodes
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.draft_ids_in_target = torch.arange(drafter.config.draft_vocab_size, device=self.device) + drafter.d2t
         self.cache: KVCache | None = None
-        self.committed = 0  # pairs in the cache that belong to the committed context
-        self.next_hidden: torch.Tensor | None = None  # (B, 1, H)
+        self.committed = 0  # slots in the cache that belong to the committed context
+        self.next_hidden: Tensor | None = None  # (B, 1, H)
+        self.sampler: Sampler | None = None
+        self.ragged = False  # B > 1: per-row validity and positions
+        self.valid: Tensor | None = None  # (B, T_max) bool, used when ragged
+        self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
 
     @classmethod
     def from_config(cls, spec, target) -> "Eagle3Proposer":
@@ -40,52 +74,164 @@ class Eagle3Proposer:
                 f"{cfg.target_hidden_size}, this target has {target.vocab_size} and {target.hidden_size}"
             )
         target.check_aux_layer_ids(cfg.aux_layer_ids)
-        return cls(drafter, target.embed_tokens)
+        tree = getattr(spec, "speculative_token_tree", None)
+        return cls(drafter, target.embed_tokens,
+                   draft_sample_method=getattr(spec, "draft_sample_method", None) or "greedy",
+                   token_tree=parse_token_tree(tree) if tree else None,
+                   dynamic_tree=getattr(spec, "dynamic_tree", None), num_nodes=spec.num_speculative_tokens)
 
-    def begin(self, prompt_ids: torch.Tensor) -> None:
+    # ---- committed context ---------------------------------------------------------------------------------
+    def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
         batch = prompt_ids.shape[0]
         length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
         self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
         self.committed = 0
         self.next_hidden = None
+        self.sampler = sampler
+        self.ragged = batch > 1  # a single request never has padding: plain causal steps
+        self.valid = torch.zeros(batch, length, dtype=torch.bool, device=self.device) if self.ragged else None
+        self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.cache.max_length:
             return
-        bigger = self.drafter.new_cache(self.cache.keys.shape[1], max(needed, 2 * self.cache.max_length),
-                                        self.dtype, self.device)
+        length = max(needed, 2 * self.cache.max_length)
+        bigger = self.drafter.new_cache(self.cache.keys.shape[1], length, self.dtype, self.device)
         bigger.keys[..., : self.cache.length, :] = self.cache.keys[..., : self.cache.length, :]
         bigger.values[..., : self.cache.length, :] = self.cache.values[..., : self.cache.length, :]
         bigger.length = self.cache.length
         self.cache = bigger
+        if self.valid is not None:
+            grown = torch.zeros(self.valid.shape[0], length, dtype=torch.bool, device=self.device)
+            grown[:, : self.valid.shape[1]] = self.valid
+            self.valid = grown
+
+    def _run(self, token_ids: Tensor, hidden: Tensor, new_mask: Tensor, depth: Tensor) -> Tensor:
+        """One drafter step over T new slots: `new_mask` (B or 1, T, T) among them, `depth` (B or 1, T) offsets
+        of their positions from each row's committed count. Plain causal step when nothing needs a mask."""
+        embeds = self.embed_tokens(token_ids.clamp_min(0))  # (B, T, H) PAD -> any id, masked
+        if not self.ragged and new_mask is None:
+            return self.drafter.step(embeds, hidden, self.cache)
+        if new_mask is None:
+            new_mask = causal_mask(token_ids.shape[1], self.device)
+        length = self.cache.length
+        mask = step_attention_mask(new_mask, self.valid if self.ragged else None, length)  # (B, 1, T, L+T)
+        positions = self.positions[:, None] + depth  # (B, T)
+        return self.drafter.step(embeds, hidden, self.cache, attention_mask=mask, position_ids=positions)
 
     @torch.no_grad()
-    def extend(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+    def extend(self, token_ids: Tensor, aux_hidden: Tensor | None) -> None:
         if aux_hidden is None:
             raise ValueError("EAGLE-3 needs the target's aux hidden states in extend()")
-        self.cache.rollback(self.committed)  # drop the speculative positions of the last draft
-        self._ensure_capacity(self.committed + token_ids.shape[1] + 1)
+        self.cache.rollback(self.committed)  # drop the speculative slots of the last draft
+        batch, n = token_ids.shape
+        self._ensure_capacity(self.committed + n + 1)
         fused = self.drafter.fc(aux_hidden.to(self.dtype))  # (B, n, H)
-        out = self.drafter.step(self.embed_tokens(token_ids), fused, self.cache)  # (B, n, H)
+        if not self.ragged:
+            out = self._run(token_ids, fused, None, None)  # (B, n, H)
+            self.next_hidden = out[:, -1:]
+            self.positions += n
+        else:
+            real = token_ids != PAD_DRAFT_TOKEN  # (B, n) a prefix of each row
+            counts = real.sum(dim=-1)  # (B,)
+            own = torch.eye(n, dtype=torch.bool, device=self.device)[None]
+            new_mask = causal_mask(n, self.device) & (real[:, None, :] | own)  # pad queries see themselves
+            out = self._run(token_ids, fused, new_mask, torch.arange(n, device=self.device)[None])
+            last = out.gather(1, (counts - 1).clamp_min(0)[:, None, None].expand(-1, 1, out.shape[-1]))
+            self.next_hidden = last if self.next_hidden is None else torch.where(
+                counts[:, None, None] > 0, last, self.next_hidden)  # rows given nothing keep their state
+            self.valid[:, self.committed: self.committed + n] = real
+            self.positions += counts
         self.committed = self.cache.length
-        self.next_hidden = out[:, -1:]
 
+    # ---- drafting -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def propose(self, num_tokens: int) -> Proposal:
         batch = self.next_hidden.shape[0]
         if num_tokens <= 0:
             return Proposal.empty(batch, self.device)
+        self.cache.rollback(self.committed)  # a repeated propose replaces the previous drafts
+        if self.token_tree is not None or self.dynamic_tree is not None:
+            return self._propose_tree(num_tokens)
         self._ensure_capacity(self.committed + num_tokens)
+        sampled = self.draft_sample_method == "probabilistic" and self.sampler is not None
         hidden = self.next_hidden
-        drafts, scores = [], []
+        drafts, scores, probs = [], [], []
+        if self.ragged:  # draft slots of this call see each other causally, the committed context per row
+            self.valid[:, self.committed: self.committed + num_tokens] = True
         for i in range(num_tokens):
-            logprobs = torch.log_softmax(self.drafter.logits(hidden)[:, -1].float(), dim=-1)  # (B, V_d)
-            score, draft_id = logprobs.max(dim=-1)
+            logits = self.drafter.logits(hidden)[:, -1].float()  # (B, V_d)
+            if sampled:
+                q = self.sampler.probs(logits)  # (B, V_d) processed like the target's p
+                draft_id = self.sampler.sample(q)
+                score = q.gather(1, draft_id[:, None])[:, 0].log()
+                q_target = torch.zeros(batch, self.drafter.config.vocab_size, device=self.device)
+                probs.append(q_target.index_copy_(1, self.draft_ids_in_target, q))  # (B, V) over target ids
+            else:
+                score, draft_id = torch.log_softmax(logits, dim=-1).max(dim=-1)
             token = self.drafter.draft_to_target(draft_id)  # (B,) target ids
             drafts.append(token)
             scores.append(score)
             if i + 1 < num_tokens:
-                hidden = self.drafter.step(self.embed_tokens(token[:, None]), hidden, self.cache)
+                hidden = self._run(token[:, None], hidden, None, torch.full((1, 1), i, device=self.device))
         token_ids = torch.stack(drafts, dim=1)  # (B, k)
         lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
-        return Proposal(token_ids=token_ids, lengths=lengths, scores=torch.stack(scores, dim=1))
+        return Proposal(token_ids=token_ids, lengths=lengths, scores=torch.stack(scores, dim=1),
+                        draft_probs=torch.stack(probs, dim=1) if sampled else None)
+
+    def _propose_tree(self, max_depth: int) -> Proposal:
+        """Static or dynamic tree of at most `max_depth` levels; see tree.py."""
+        batch = self.next_hidden.shape[0]
+        expanded_hidden: list[Tensor] = []  # per expansion, (B, m, H) output hiddens
+        expanded_depth: list[Tensor] = []  # per expansion, (B, m) depth of each expanded node
+        state = {"ancestors": torch.zeros(batch, 0, 0, dtype=torch.bool, device=self.device)}  # (B, E, E)
+
+        def expand(tokens: Tensor, parents: Tensor) -> Tensor:
+            """tokens (B, m) draft ids whose parents (B, m) index earlier expanded nodes (ROOT_PARENT: the root)."""
+            m = tokens.shape[1]
+            self._ensure_capacity(self.cache.length + m)
+            anc = state["ancestors"]  # (B, E, E)
+            count = anc.shape[1]
+            is_root = parents == ROOT_PARENT
+            safe = parents.clamp_min(0)
+            if count:
+                hiddens = torch.cat(expanded_hidden, dim=1)  # (B, E, H)
+                depths = torch.cat(expanded_depth, dim=1)  # (B, E)
+                parent_hidden = hiddens.gather(1, safe[..., None].expand(-1, -1, hiddens.shape[-1]))
+                parent_depth = depths.gather(1, safe)
+                # a new node's ancestors among the expanded: its parent's row, the parent itself
+                rows = anc.gather(1, safe[..., None].expand(-1, -1, count))  # (B, m, E)
+                rows = rows | torch.nn.functional.one_hot(safe, count).bool()
+                rows = rows & ~is_root[..., None]
+            else:
+                parent_hidden = torch.zeros(batch, m, self.next_hidden.shape[-1], dtype=self.next_hidden.dtype,
+                                            device=self.device)
+                parent_depth = torch.zeros(batch, m, dtype=torch.long, device=self.device)
+                rows = torch.zeros(batch, m, 0, dtype=torch.bool, device=self.device)
+            parent_hidden = torch.where(is_root[..., None], self.next_hidden, parent_hidden)  # (B, m, H)
+            depth = torch.where(is_root, torch.zeros_like(parent_depth), parent_depth) + 1  # (B, m)
+            own = torch.eye(m, dtype=torch.bool, device=self.device).expand(batch, -1, -1)  # (B, m, m)
+            # Cache slots: committed context, then the E expanded nodes in expansion order, then these m.
+            committed = (self.valid[:, None, : self.committed].expand(-1, m, -1) if self.ragged
+                         else torch.ones(batch, m, self.committed, dtype=torch.bool, device=self.device))
+            mask = torch.cat([committed, rows, own], dim=-1)[:, None]  # (B, 1, m, L+m)
+            state["ancestors"] = torch.cat([
+                torch.cat([anc, torch.zeros(batch, count, m, dtype=torch.bool, device=self.device)], dim=-1),
+                torch.cat([rows, own], dim=-1),
+            ], dim=1)  # (B, E+m, E+m)
+            embeds = self.embed_tokens(self.drafter.draft_to_target(tokens))
+            positions = self.positions[:, None] + depth - 1  # (B, m)
+            out = self.drafter.step(embeds, parent_hidden, self.cache, attention_mask=mask, position_ids=positions)
+            expanded_hidden.append(out)
+            expanded_depth.append(depth)
+            return torch.log_softmax(self.drafter.logits(out).float(), dim=-1)  # (B, m, V_d)
+
+        root = torch.log_softmax(self.drafter.logits(self.next_hidden)[:, -1].float(), dim=-1)  # (B, V_d)
+        if self.token_tree is not None:
+            tokens, parents, scores = static_tree(root, expand, self.token_tree, max_depth=max_depth)
+        else:
+            tokens, parents, scores = dynamic_tree(root, expand, self.dynamic_tree["depth"],
+                                                   self.dynamic_tree["top_k"], self.num_nodes, max_depth=max_depth)
+        lengths = torch.full((batch,), tokens.shape[1], dtype=torch.long, device=self.device)
+        return Proposal(token_ids=self.drafter.draft_to_target(tokens), lengths=lengths, scores=scores,
+                        parents=parents)

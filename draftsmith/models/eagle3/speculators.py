@@ -8,8 +8,10 @@ and vLLM's reader (`transformers_utils/configs/speculators/{base,algos}.py`, eng
   at the top level, and `speculators_config` = {algorithm, proposal_methods, default_proposal_method, verifier}.
   vLLM serves `speculators_config.verifier.name_or_path` as the target and drafts
   `proposal_methods[0].speculative_tokens` tokens.
-- tensors: draftsmith's names with `midlayer.` spelled `layers.0.`, plus `embed_tokens.weight` (the target's
-  embedding; optional: vLLM shares the target's and the speculators package loads it from the verifier when absent).
+- tensors: draftsmith's names with `midlayer.` spelled `layers.0.`, plus `embed_tokens.weight`, a copy of the
+  target's embedding. vLLM would share the target's, but the speculators package needs it in the file: its
+  `from_pretrained` lists the key as optional and means to fill it from the verifier, yet (0.9.0, transformers 5.19
+  and 5.24) a missing embedding is left uninitialised. So the export refuses when the target's is not at hand.
 
 Where the consumers disagree, draftsmith writes the value that makes them agree:
 
@@ -60,6 +62,7 @@ from draftsmith.models.eagle3.export import (
     eagle3_serve_commands,
     expected_native_shapes,
 )
+from draftsmith.models.importer import IMPORT_FILE
 from draftsmith.models.model_card import render_model_card
 
 SPECULATORS_MODEL_TYPE = "eagle3"
@@ -245,7 +248,9 @@ def expected_speculators_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple
     flat = flat_view(config)
     native = expected_native_shapes({**flat, "target_hidden_size": flat.get("target_hidden_size") or
                                      flat["hidden_size"]})
-    return {to_speculators_name(name): shape for name, shape in native.items()}
+    shapes = {to_speculators_name(name): shape for name, shape in native.items()}
+    shapes[EMBED_KEY] = ((flat["vocab_size"], flat["hidden_size"]), "(vocab_size, hidden_size), the target's")
+    return shapes
 
 
 # ---- validation --------------------------------------------------------------------------------------------
@@ -349,9 +354,7 @@ def check_speculators(
         and isinstance(ids, list) and (target_hidden is None or _is_int(target_hidden))
     if not sizes_ok:
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
-    flat = flat_view(config)
-    optional = {EMBED_KEY: ((flat["vocab_size"], flat["hidden_size"]), "(vocab_size, hidden_size): the target's")}
-    problems += check_state_dict(flat, expected_speculators_shapes(config), tensors, optional=optional)
+    problems += check_state_dict(flat_view(config), expected_speculators_shapes(config), tensors)
     return problems, warnings
 
 
@@ -432,10 +435,16 @@ def speculators_serve_commands(
     }
 
 
-def _num_speculative_tokens(eval_result: Any) -> int:
-    """k that was measured by `draftsmith eval`, else the default the printed commands use."""
-    if isinstance(eval_result, dict):
-        k = eval_result.get("num_speculative_tokens")
+def _num_speculative_tokens(eval_result: Any, ckpt: Path) -> int:
+    """k for `proposal_methods[0].speculative_tokens`: the one `draftsmith eval` measured, else the one an imported
+    drafter shipped with (import.json), else the default of the printed serve commands."""
+    candidates = [eval_result]
+    try:
+        candidates.append(read_optional_json(ckpt / IMPORT_FILE))
+    except CheckpointError:
+        pass
+    for source in candidates:
+        k = source.get("num_speculative_tokens") if isinstance(source, dict) else None
         if _is_int(k) and k > 0:
             return k
     return NUM_SPECULATIVE_TOKENS
@@ -474,7 +483,7 @@ def export_speculators(
     if not architectures:
         warnings.append("the target's architectures are unknown; speculators_config.verifier.architectures is empty")
     target_max = target_config.get("max_position_embeddings")
-    num_tokens = _num_speculative_tokens(eval_result)
+    num_tokens = _num_speculative_tokens(eval_result, ckpt)
     config = speculators_config(cfg, num_speculative_tokens=num_tokens, verifier_architectures=architectures,
                                 target_max_position_embeddings=target_max if _is_int(target_max) else None,
                                 step=step)
@@ -483,11 +492,13 @@ def export_speculators(
                for name, t in state.items()}  # unknown names kept, then refused
     embedding, why_not = load_target_embedding(cfg.target_name_or_path)
     if embedding is None:
-        warnings.append(f"{EMBED_KEY} not written ({why_not}); vLLM shares the target's embedding and the "
-                        "speculators package loads it from the verifier, so the export still loads")
-    else:
-        weights_dtype = tensors["lm_head.weight"].dtype if "lm_head.weight" in tensors else embedding.dtype
-        tensors[EMBED_KEY] = embedding.to(weights_dtype)  # (V, H) one float dtype per file
+        raise ExportError(
+            f"{ckpt}: cannot write {EMBED_KEY}, which the speculators package needs in the file: {why_not}. Put the "
+            f"target's config and safetensors in that folder or the Hugging Face cache (hf download "
+            f"{cfg.target_name_or_path or 'TARGET'} --include '*.json' '*.safetensors'), or use --format sglang"
+        )
+    weights_dtype = tensors["lm_head.weight"].dtype if "lm_head.weight" in tensors else embedding.dtype
+    tensors[EMBED_KEY] = embedding.to(weights_dtype)  # (V, H) one float dtype per file
     problems, more_warnings = check_speculators(config, tensors)
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as speculators EAGLE-3: " + "; ".join(problems))

@@ -52,7 +52,8 @@ def decoder_layer_class(config) -> type[nn.Module]:
     raise MtpModelError(f"cannot find the decoder layer class of {model_cls.__name__}")
 
 
-def _rotary_class(layer_cls: type[nn.Module]) -> type[nn.Module]:
+def rotary_class(layer_cls: type[nn.Module]) -> type[nn.Module]:
+    """The family's rotary embedding (`XDecoderLayer` -> `XRotaryEmbedding`): the target's own RoPE variant."""
     module = sys.modules[layer_cls.__module__]
     name = layer_cls.__name__.removesuffix("DecoderLayer") + "RotaryEmbedding"
     if not isinstance(getattr(module, name, None), type):
@@ -65,6 +66,18 @@ def block_config(config: MtpDrafterConfig):
     hf = copy.deepcopy(config.hf_config())
     hf._attn_implementation = "sdpa"
     return hf
+
+
+@torch.no_grad()
+def _init_raw_parameters(block: nn.Module, std: float) -> None:
+    """Fill the weight matrices that no torch layer initialised (transformers' fused MoE experts and routers are
+    `torch.empty` until a PreTrainedModel's `_init_weights` runs, which a lone decoder layer never gets)."""
+    for module in block.modules():
+        if hasattr(module, "reset_parameters") or "Norm" in type(module).__name__:
+            continue
+        for p in module.parameters(recurse=False):
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -102,7 +115,13 @@ class MtpDrafter(nn.Module):
             MtpLayer(layer_cls(hf, config.block_layer_idx), config.hidden_size, config.rms_norm_eps)
             for _ in range(config.num_modules)
         )
-        self.rotary_emb = _rotary_class(layer_cls)(config=hf)
+        self.rotary_emb = rotary_class(layer_cls)(config=hf)
+        for layer in self.layers:
+            _init_raw_parameters(layer.block, getattr(hf, "initializer_range", 0.02))
+
+    def reset_rotary(self, device) -> None:
+        """Rebuild RoPE's inverse frequencies in float32 (`.to(dtype)` rounds them with the weights)."""
+        self.rotary_emb = type(self.rotary_emb)(config=block_config(self.config)).to(device)
 
     def layer_for_depth(self, depth: int) -> MtpLayer:
         return self.layers[self.config.module_for_depth(depth)]
@@ -197,12 +216,3 @@ def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-
-@torch.no_grad()
-def init_from_target_layers(drafter: MtpDrafter, target) -> None:
-    """Start every block as a copy of the target layer it is shaped after, and shared_head.norm as the target's
-    final norm: the block then already reads this residual stream and the head sees calibrated inputs."""
-    source = target.layers[drafter.config.block_layer_idx]
-    for layer in drafter.layers:
-        layer.block.load_state_dict(source.state_dict())
-        layer.shared_head["norm"].load_state_dict(target.final_norm.state_dict())

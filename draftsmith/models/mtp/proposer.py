@@ -1,0 +1,157 @@
+"""MTP as a runtime `Proposer`: chain drafting, one depth per draft token, each depth with its own KV cache.
+
+Each depth d is its own causal sequence (model.py): position i holds (embed(t_{i+d}), h^{d-1}_i). With the
+context t_0..t_p (p = positions paired by `extend`), depth d's entries at positions <= p-d use committed tokens
+only and are kept; the entries at p-d+1..p-1 need drafts d_1..d_{d-1} (t_{p+j} = d_j) and are recomputed each
+round. Drafting from the last committed position p-1, for p = 5:
+
+    position                 0   1   2   3   4
+    depth 1  token t_{i+1}   t1  t2  t3  t4  t5       all committed            h^1_4 -> d1 = t6
+    depth 2  token t_{i+2}   t2  t3  t4  t5  d1       0..3 committed, 4 draft  h^2_4 -> d2 = t7
+    depth 3  token t_{i+3}   t3  t4  t5  d1  d2       0..2 committed           h^3_4 -> d3 = t8
+
+So each draft is exactly what the training forward (one causal pass per depth) gives on the context followed by
+the earlier drafts, and depth d re-runs only its d-1 speculative positions. All model work happens in
+`propose`; `extend` only records tokens and target features. Drafts are argmax (one-hot), so the sampler is not
+used. Rows of a batch commit different numbers of tokens, so each row keeps its own state and drafts on its own.
+
+Engines differ past depth 1: vLLM and SGLang run depth d+1 at the *next* position of one shared MTP cache
+(EAGLE-style), which matches neither DeepSeek-V3's training nor this runtime, so their acceptance at positions
+>= 2 can be lower than measured here; depth 1 is the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.models.mtp.io import load_mtp_drafter
+from draftsmith.models.mtp.model import MtpDrafter
+from draftsmith.models.target import KVCache
+
+INITIAL_CACHE_LENGTH = 2048
+
+
+class MtpProposer:
+    def __init__(self, drafter: MtpDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
+                 num_speculative_tokens: int):
+        cfg = drafter.config
+        if cfg.max_depth is not None and num_speculative_tokens > cfg.max_depth:
+            raise ValueError(f"MTP drafter has {cfg.num_modules} sequential module(s) and was not trained to reuse "
+                             f"them: use num_speculative_tokens <= {cfg.max_depth}, or train with mtp.recursive=true")
+        problem = drafter.runtime_support_error()
+        if problem:
+            raise ValueError(problem)
+        self.drafter = drafter
+        self.embed_tokens = embed_tokens  # the target's, shared
+        self.lm_head = lm_head  # the target's, shared
+        self.num_depths = num_speculative_tokens
+        self.aux_layer_ids = (cfg.num_target_layers,)  # h^0: last layer output before the final norm
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.rows: list[_Row] = []
+
+    @classmethod
+    def from_config(cls, spec, target) -> "MtpProposer":
+        """`spec.model`: an MTP checkpoint or export; omitted = the target's own native MTP weights (as vLLM)."""
+        path = spec.model or target.name_or_path
+        try:
+            drafter = load_mtp_drafter(path, device=target.device, dtype=target.dtype)
+        except ValueError as e:
+            hint = "" if spec.model else " (no \"model\" given, so the target's own MTP weights were looked for)"
+            raise ValueError(f"speculative config: method mtp: {e}{hint}") from None
+        cfg = drafter.config
+        if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.hidden_size \
+                or cfg.num_target_layers != target.num_layers:
+            raise ValueError(
+                f"{path}: MTP drafter was trained for a target with vocab {cfg.vocab_size}, hidden size "
+                f"{cfg.hidden_size} and {cfg.num_target_layers} layers; this target has {target.vocab_size}, "
+                f"{target.hidden_size} and {target.num_layers}"
+            )
+        return cls(drafter, target.embed_tokens, target.lm_head, spec.num_speculative_tokens)
+
+    def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
+        length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
+        hidden = self.drafter.config.hidden_size
+        self.rows = []
+        for row in prompt_ids.to(self.device, torch.long):
+            self.rows.append(_Row(
+                caches=[self.drafter.new_cache(1, length, self.dtype, self.device) for _ in range(self.num_depths)],
+                committed=[0] * self.num_depths,
+                pending=[torch.empty(1, 0, hidden, dtype=self.dtype, device=self.device)
+                         for _ in range(self.num_depths + 1)],
+                tokens=row[row != PAD_DRAFT_TOKEN][None] if prompt_ids.shape[0] > 1 else row[None],
+            ))
+
+    def extend(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+        if aux_hidden is None:
+            raise ValueError("MTP needs the target's last hidden state in extend()")
+        token_ids = token_ids.to(self.device, torch.long)
+        # one row: every token is real; a batch: each row's count, PAD_DRAFT_TOKEN after it (one host sync)
+        counts = [token_ids.shape[1]] if len(self.rows) == 1 else (token_ids != PAD_DRAFT_TOKEN).sum(1).tolist()
+        for b, (row, n) in enumerate(zip(self.rows, counts)):
+            p = row.paired
+            # token_ids[b, j] is the token at position p + 1 + j (restated prompt tokens included, Proposer docs)
+            row.tokens = torch.cat([row.tokens[:, : p + 1], token_ids[b: b + 1, :n]], dim=1)
+            row.pending[0] = torch.cat([row.pending[0], aux_hidden[b: b + 1, :n].to(self.dtype)], dim=1)  # h^0
+            row.paired = p + n
+
+    @torch.no_grad()
+    def propose(self, num_tokens: int) -> Proposal:
+        num = min(num_tokens, self.num_depths)
+        if num <= 0:
+            return Proposal.empty(len(self.rows), self.device)
+        chains = [self._propose_row(row, num) for row in self.rows]
+        token_ids = torch.cat([c[0] for c in chains])  # (B, num)
+        lengths = torch.full((len(self.rows),), num, dtype=torch.long, device=self.device)
+        return Proposal(token_ids=token_ids, lengths=lengths, scores=torch.cat([c[1] for c in chains]))
+
+    def _propose_row(self, row: "_Row", num: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts (1, num), their log-probs (1, num)) for one row, updating its committed per-depth state."""
+        p = row.paired
+        sequence = row.tokens  # (1, p+1), drafts appended below: index p+j holds d_j
+        speculative = row.pending[0][:, :0]  # h^{d-1} at positions beyond depth d-1's committed ones
+        drafts, scores = [], []
+        for depth in range(1, num + 1):
+            start = row.committed[depth - 1]
+            hidden = torch.cat([row.pending[depth - 1], speculative], dim=1)  # h^{d-1} at start..p-1
+            assert hidden.shape[1] == p - start, (depth, hidden.shape, p, start)
+            embeds = self.embed_tokens(sequence[:, start + depth: p + depth])  # embed(t_{i+d}), (1, p-start, H)
+            row.caches[depth - 1].rollback(start)
+            cache = row.ensure_capacity(depth, p, self.drafter)
+            out = self.drafter.step(depth, embeds, hidden, cache)  # h^d at start..p-1
+            done = max(0, p - depth + 1 - start)  # positions start..p-d use committed tokens only: keep them
+            row.pending[depth] = torch.cat([row.pending[depth], out[:, :done]], dim=1)
+            row.pending[depth - 1] = row.pending[depth - 1][:, done:]
+            row.committed[depth - 1] = start + done
+            speculative = out[:, done:]
+            layer = self.drafter.layer_for_depth(depth)
+            logits = self.lm_head(layer.head_norm(out[:, -1:]))[:, -1].float()  # (1, V) at p-1: predicts t_{p+d}
+            score, token = torch.log_softmax(logits, dim=-1).max(dim=-1)
+            drafts.append(token)
+            scores.append(score)
+            sequence = torch.cat([sequence, token[:, None]], dim=1)
+        return torch.stack(drafts, dim=1), torch.stack(scores, dim=1)
+
+
+@dataclass
+class _Row:
+    """One request's drafting state."""
+
+    caches: list[KVCache]  # per depth (index d-1)
+    committed: list[int]  # per depth: cache positions 0..committed-1 hold entries built from committed tokens
+    pending: list[torch.Tensor]  # index d: committed h^d (1, n, H) not yet consumed by depth d+1; 0 = target h^0
+    tokens: torch.Tensor  # (1, p+1) committed context
+    paired: int = 0  # p: positions whose next token `extend` has given
+
+    def ensure_capacity(self, depth: int, needed: int, drafter: MtpDrafter) -> KVCache:
+        cache = self.caches[depth - 1]
+        if needed > cache.max_length:
+            bigger = drafter.new_cache(1, max(needed, 2 * cache.max_length), cache.keys.dtype, cache.keys.device)
+            bigger.keys[..., : cache.length, :] = cache.keys[..., : cache.length, :]
+            bigger.values[..., : cache.length, :] = cache.values[..., : cache.length, :]
+            bigger.length = cache.length
+            self.caches[depth - 1] = cache = bigger
+        return cache

@@ -1,0 +1,59 @@
+"""What the trainer needs from MTP: build the drafter (from native weights when the target has them) and its loss."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.models.mtp.config import MtpDrafterConfig
+from draftsmith.models.mtp.loss import mtp_loss
+from draftsmith.models.mtp.model import MtpDrafter
+from draftsmith.models.mtp.native import NativeMtp, find_native_mtp
+from draftsmith.models.target import TargetModel
+
+
+class MtpMethod:
+    name = "mtp"
+
+    def __init__(self, recipe, target: TargetModel):
+        self.target = target
+        mtp = recipe.mtp
+        self.num_depths = mtp.num_depths
+        self.decay = mtp.depth_decay
+        # MTP reads the last layer's output before the final norm: capture id L (DESIGN.md §3).
+        self.aux_layer_ids = [target.num_layers]
+        ids = recipe.model.aux_layer_ids
+        if ids is not None and list(ids) != self.aux_layer_ids:
+            raise ValueError(f"model.aux_layer_ids {ids}: MTP always reads the last layer's output (capture id "
+                             f"{target.num_layers}); set model.aux_layer_ids to null")
+        self.native: NativeMtp | None = find_native_mtp(recipe.model.target, target.config)
+        layout = self.native.layout if self.native is not None else None
+        if self.native is not None and mtp.init_from_native and self.native.num_modules != mtp.num_modules:
+            raise ValueError(
+                f"{recipe.model.target}: the target carries {self.native.num_modules} native MTP module(s) but "
+                f"mtp.num_modules is {mtp.num_modules}: set mtp.num_modules={self.native.num_modules}, or "
+                "mtp.init_from_native=false to train new modules"
+            )
+        self.config = MtpDrafterConfig.from_target(
+            target.config, num_modules=mtp.num_modules, recursive=mtp.recursive, num_depths=mtp.num_depths,
+            native_layout=layout, target_name_or_path=recipe.model.target,
+        )
+        self.init_from_native = self.native is not None and mtp.init_from_native
+
+    def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> MtpDrafter:
+        """An fp32 drafter: native MTP weights when present, else freshly initialised modules (on the fixture,
+        fresh modules learned faster than blocks copied from the target's last layer or its final norm).
+        d2t / t2d are ignored: MTP predicts over the full vocabulary with the target's own head."""
+        layer_cls = type(self.target.layers[self.config.block_layer_idx])
+        drafter = MtpDrafter(self.config, layer_cls=layer_cls)
+        if self.init_from_native:
+            drafter.load_state_dict(self.native.drafter_state_dict(self.config.num_modules, drafter))
+        return drafter.float().to(self.target.device)
+
+    def loss(self, drafter, batch: dict[str, torch.Tensor]):
+        """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
+        captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
+        with torch.no_grad():
+            token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
+        # captured.aux_hidden is h^0 before the final norm; captured.last_hidden the normed one (teacher logits)
+        depth_hidden = drafter(token_embeds, captured.aux_hidden, self.num_depths)
+        return mtp_loss(depth_hidden, captured.last_hidden, batch["loss_mask"], self.target.lm_head, self.decay)

@@ -1,0 +1,515 @@
+"""DFlash: the block mask and loss against slow references, training forward = cached runtime pass, lossless
+runtime on the fixture target, end-to-end training, and the `--format dflash` export contract."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, Qwen3Config
+
+from draftsmith.config import recipe_from_dict
+from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
+from draftsmith.models.dflash.config import (
+    DflashConfigError,
+    DflashDrafterConfig,
+    default_loss_gamma,
+    default_target_layer_ids,
+    spare_token_id,
+)
+from draftsmith.models.dflash.export import check_dflash_export, export_config, export_dflash
+from draftsmith.models.dflash.loss import (
+    block_labels,
+    dflash_loss,
+    position_weights,
+    sample_anchors,
+)
+from draftsmith.models.dflash.model import (
+    MASK_EMBEDDING_FILE,
+    DflashDrafter,
+    DrafterLoadError,
+    block_attention_mask,
+    init_drafter,
+    load_drafter,
+)
+
+H = 64
+
+
+def tiny_config(learned_mask=True, block_size=4, num_layers=2, target_cls=LlamaConfig, **target):
+    target_config = target_cls(**{"vocab_size": 256, "hidden_size": H, "num_hidden_layers": 6,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                                  **target})
+    return DflashDrafterConfig.from_target(
+        target_config, num_layers=num_layers, block_size=block_size, num_features=3,
+        mask_token_id=None if learned_mask else 7, learned_mask=learned_mask, target_name_or_path="org/target")
+
+
+def tiny_drafter(config, seed=0):
+    torch.manual_seed(seed)
+    drafter = DflashDrafter(config)
+    init_drafter(drafter, torch.randn(config.vocab_size, config.hidden_size), std=0.1)
+    for name, p in drafter.named_parameters():  # norms away from 1, so a missed norm shows
+        if "norm" in name:
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+    return drafter.eval()
+
+
+# ---- configuration ---------------------------------------------------------------------------------------------
+def test_default_target_layers_follow_the_reference():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab / DeepSpec Qwen3-8B
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]  # the fixture target: layers 1 .. L-3
+    assert default_target_layer_ids(4, 3) == [0, 2, 3]  # too shallow for 1 .. L-3: spread over all layers
+    with pytest.raises(DflashConfigError, match="num_target_layers"):
+        default_target_layer_ids(3, 5)
+    cfg = tiny_config()
+    assert cfg.target_layer_ids == [1, 2, 3] and cfg.aux_layer_ids == [2, 3, 4]  # capture = output-of-layer + 1
+
+
+def test_loss_gamma_and_position_weights():
+    assert [default_loss_gamma(b) for b in (16, 10, 8, 12)] == [7, 5, 4, 6]
+    w = position_weights(4, 2.0)
+    torch.testing.assert_close(w, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(target_layer_ids=[1, 6]), r"0\.\.5"),
+    (dict(target_layer_ids=[3, 1]), "strictly increasing"),
+    (dict(mask_token_id=999, learned_mask=False), "outside the target vocabulary"),
+    (dict(mask_token_id=None, learned_mask=False), "mask_token_id or a learned"),
+])
+def test_impossible_configs_are_refused(bad, message):
+    d = tiny_config().to_dict()
+    with pytest.raises(DflashConfigError, match=message):
+        DflashDrafterConfig.from_dict({**d, **bad})
+
+
+def test_spare_token_id_prefers_unused_rows_then_reserved_then_pad():
+    class Tok:
+        eos_token_id, bos_token_id, pad_token_id = 2, 1, 0
+        added_tokens_decoder = {}
+
+        def __init__(self, n):
+            self.n = n
+
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(self.n)}
+
+    assert spare_token_id(Tok(10), 12) == 10  # an embedding row no token maps to (Qwen3's 151669)
+    tok = Tok(12)
+    tok.added_tokens_decoder = {8: "<|reserved_special_token_0|>", 9: "<|reserved_special_token_1|>"}
+    assert spare_token_id(tok, 12) == 9
+    assert spare_token_id(Tok(12), 12) == 0  # the pad token
+    no_pad = Tok(12)
+    no_pad.pad_token_id = 2
+    assert spare_token_id(no_pad, 12) is None
+
+
+def test_recipe_section_checks():
+    base = {"model": {"target": "t", "method": "dflash"}, "data": {"path": "sharegpt"}, "output_dir": "o"}
+    r = recipe_from_dict(base)
+    assert (r.dflash.num_layers, r.dflash.block_size, r.dflash.num_target_layers) == (5, 16, 5)
+    assert r.dflash.mask_token_id is None and r.dflash.anchors_per_sequence == 512
+    assert recipe_from_dict({**base, "dflash": {"target_layer_ids": [1, 4]}}).dflash.num_target_layers == 2
+    with pytest.raises(ValueError, match="increasing order"):
+        recipe_from_dict({**base, "dflash": {"target_layer_ids": [4, 1]}})
+    with pytest.raises(ValueError, match="make them agree"):
+        recipe_from_dict({**base, "dflash": {"target_layer_ids": [1, 4], "num_target_layers": 3}})
+    with pytest.raises(ValueError, match="dflash.block_size: must be >= 2"):
+        recipe_from_dict({**base, "dflash": {"block_size": 1}})
+
+
+# ---- the block mask ----------------------------------------------------------------------------------------------
+def test_block_mask_literal_grid():
+    """Context of 5 positions, blocks of 3 at anchors 2 and 4, plus a padding block (anchor 0)."""
+    got = block_attention_mask(torch.tensor([[2, 4, 0]]), context_length=5, block_size=3)[0].int()
+    #           context 0..4 | block 0 | block 1 | block 2
+    want = [[1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],  # block 0 (anchor 2): context < 2, its own slots
+            [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
+            [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
+            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],  # block 1 (anchor 4): context < 4
+            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
+            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
+            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],  # padding: only itself, so no NaN
+            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],
+            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1]]
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("learned_mask, target_cls", [(True, LlamaConfig), (False, Qwen3Config)])
+def test_training_forward_equals_one_block_at_a_time_and_the_cached_runtime(learned_mask, target_cls):
+    """All blocks in one masked pass == each block alone with its context prefix == the runtime's cache path."""
+    cfg = tiny_config(learned_mask=learned_mask, target_cls=target_cls)
+    drafter = tiny_drafter(cfg)
+    g = torch.Generator().manual_seed(1)
+    b, s = 2, 12
+    aux = torch.randn(b, s, 3 * H, generator=g)
+    anchors = torch.tensor([[2, 5, 9], [0, 4, 11]])
+    anchor_embeds = torch.randn(b, 3, H, generator=g)
+    mask_embed = None if learned_mask else torch.randn(H, generator=g)
+    with torch.no_grad():
+        batched = drafter(aux, anchor_embeds, anchors, mask_embed)  # (B, N, B_k, H)
+        for row in range(b):
+            for j, a in enumerate(anchors[row].tolist()):
+                # slow reference: the training forward on this block alone, its context cut at the anchor
+                alone = drafter(aux[row:row + 1, :max(a, 1)], anchor_embeds[row:row + 1, j:j + 1], torch.tensor([[a]]), mask_embed)
+                torch.testing.assert_close(alone[0, 0], batched[row, j], atol=1e-5, rtol=1e-5)
+                # the runtime: context K/V appended in two pieces, then one cached block pass
+                cache = drafter.new_cache(1, 32, torch.float32, "cpu")
+                cache.keys.fill_(float("nan"))  # a stale slot read anywhere would show
+                cache.values.fill_(float("nan"))
+                drafter.extend_context(aux[row:row + 1, : a // 2], cache, torch.arange(a // 2)[None])
+                drafter.extend_context(aux[row:row + 1, a // 2: a], cache, torch.arange(a // 2, a)[None])
+                blocks = drafter.block_inputs(anchor_embeds[row:row + 1, j:j + 1], mask_embed)
+                cached = drafter.draft_block(blocks, cache, torch.tensor([a]), key_length=a + cfg.block_size)
+                torch.testing.assert_close(cached[0], batched[row, j], atol=1e-5, rtol=1e-5)
+
+
+# ---- anchors, labels, loss -----------------------------------------------------------------------------------------
+def test_anchors_are_positions_before_assistant_tokens():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1],
+                              [0, 0, 0, 0, 0, 1, 0, 0]])
+    for seed in range(5):
+        anchors, valid = sample_anchors(loss_mask, 3, generator=torch.Generator().manual_seed(seed))
+        assert anchors.shape == (2, 3)
+        row0 = anchors[0][valid[0]].tolist()
+        assert len(row0) == 3 and set(row0) <= {1, 2, 3, 6} and row0 == sorted(set(row0))
+        assert valid[1].tolist() == [True, False, False] and anchors[1].tolist() == [4, 0, 0]
+    everything, _ = sample_anchors(loss_mask, 100)
+    assert everything.shape == (2, 4) and everything[0].tolist() == [1, 2, 3, 6]
+
+
+def test_block_labels_literal():
+    teacher = torch.tensor([[10, 11, 12, 13, 14, 15]])  # target argmax at each position (predicts position + 1)
+    loss_mask = torch.tensor([[0, 1, 1, 0, 1, 1]])
+    labels, valid = block_labels(teacher, loss_mask, torch.tensor([[0, 3, 0]]), torch.tensor([[True, True, False]]),
+                                 block_size=4)
+    # block at 0: slots predict positions 1, 2, 3 -> teacher at 0, 1, 2; position 3 is not an assistant token
+    assert labels[0, 0].tolist() == [10, 11, 12] and valid[0, 0].tolist() == [True, True, False]
+    # block at 3: positions 4, 5, (6 is past the end)
+    assert labels[0, 1, :2].tolist() == [13, 14] and valid[0, 1].tolist() == [True, True, False]
+    assert valid[0, 2].tolist() == [False, False, False]  # padding block
+
+
+def slow_dflash_loss(block_hidden, head, labels, valid, gamma):
+    """Loops over blocks and slots: sum_k w_k CE_k / sum_k w_k, and 1 + leading correct slots per block."""
+    num, den, runs, blocks = 0.0, 0.0, 0, 0
+    b, n, bk1 = labels.shape
+    for i in range(b):
+        for j in range(n):
+            leading, broken = 0, False
+            for k in range(bk1):
+                logits = head @ block_hidden[i, j, k + 1]
+                correct = int(logits.argmax()) == int(labels[i, j, k])
+                if valid[i, j, k]:
+                    w = math.exp(-k / gamma)
+                    num += w * float(F.cross_entropy(logits[None], labels[i, j, k][None]))
+                    den += w
+                if not (valid[i, j, k] and correct):
+                    broken = True
+                if not broken:
+                    leading += 1
+            if valid[i, j, 0]:
+                runs, blocks = runs + leading, blocks + 1
+    return num / den, 1 + runs / blocks
+
+
+def test_loss_matches_a_slow_loop_and_trains_only_valid_slots():
+    g = torch.Generator().manual_seed(0)
+    b, n, bk, v = 2, 3, 5, 11
+    head = torch.randn(v, H, generator=g)
+    hidden = torch.randn(b, n, bk, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (b, n, bk - 1), generator=g)
+    with torch.no_grad():  # make some leading runs: the label is the head's argmax for a few slots
+        labels[0, 0, :3] = (hidden[0, 0, 1:4] @ head.T).argmax(-1)
+        labels[1, 2, :2] = (hidden[1, 2, 1:3] @ head.T).argmax(-1)
+    valid = torch.rand(b, n, bk - 1, generator=g) > 0.25
+    valid[0, 0] = valid[1, 2] = True
+    loss, metrics = dflash_loss(hidden, head, labels, valid, gamma=3.0)
+    want_loss, want_tau = slow_dflash_loss(hidden.detach(), head, labels, valid, 3.0)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5)
+    assert float(metrics["sim_accept_len"]) == pytest.approx(want_tau, rel=1e-6)
+    assert int(metrics["count_0"]) == int(valid[..., 0].sum()) and set(metrics) >= {"loss_3", "acc_3", "count_3"}
+    loss.backward()
+    assert hidden.grad[:, :, 0].abs().sum() == 0  # the anchor slot predicts nothing
+    assert (hidden.grad[:, :, 1:].abs().sum(-1) > 0).tolist() == valid.tolist()
+
+
+# ---- runtime ----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fixture_target(fixture_target_dir):
+    from draftsmith.models.target import TargetModel
+
+    return TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+
+
+def untrained_checkpoint(folder, target, learned_mask=True, block_size=8, seed=0):
+    torch.manual_seed(seed)
+    config = DflashDrafterConfig.from_target(
+        target.config, num_layers=2, block_size=block_size, num_features=3, mask_token_id=0 if not learned_mask
+        else None, learned_mask=learned_mask, target_name_or_path=target.name_or_path)
+    drafter = DflashDrafter(config)
+    init_drafter(drafter, target.embed_tokens.weight)
+    folder.mkdir(parents=True)
+    save_safetensors_atomic({k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")},
+                            folder / "model.safetensors")
+    write_json_atomic(config.to_dict(), folder / "config.json")
+    return folder, drafter
+
+
+def test_untrained_dflash_is_lossless_on_fixture(tmp_path, fixture_target, fixture_target_dir, mt_bench_path):
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+    from draftsmith.inference.generator import SpeculativeGenerator
+    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    k = 7  # the whole block of 8
+    folder, _ = untrained_checkpoint(tmp_path / "drafter", fixture_target, learned_mask=True)
+    spec = parse_spec_config({"method": "dflash", "model": str(folder), "num_speculative_tokens": k}, "cpu")
+    speculative = SpeculativeGenerator(fixture_target, build_proposer(spec, fixture_target), k)
+    plain = SpeculativeGenerator(fixture_target, None, k)
+    eos = {tokenizer.eos_token_id}
+    for ids in load_prompts(mt_bench_path, tokenizer, limit=3):
+        prompt = torch.tensor([ids])
+        want = plain.generate(prompt, 24, eos_token_ids=eos)
+        got = speculative.generate(prompt, 24, eos_token_ids=eos)
+        assert got.token_ids == want.token_ids
+        m = got.metrics
+        assert m.num_drafts > 0 and m.num_accepted_tokens <= m.num_draft_tokens <= k * m.num_drafts
+        assert got.num_target_steps == want.num_target_steps - m.num_accepted_tokens
+
+
+def test_batched_generation_equals_each_request_alone(tmp_path, fixture_target, fixture_target_dir, mt_bench_path):
+    """Rows of different lengths grow their DFlash context independently; each row's output is its own (here with
+    mask slots embedded by the target's row of mask_token_id)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+    from draftsmith.inference.generator import SpeculativeGenerator
+    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    folder, _ = untrained_checkpoint(tmp_path / "drafter", fixture_target, learned_mask=False)
+    spec = parse_spec_config({"method": "dflash", "model": str(folder), "num_speculative_tokens": 3}, "cpu")
+    speculative = SpeculativeGenerator(fixture_target, build_proposer(spec, fixture_target), 3)
+    prompts = load_prompts(mt_bench_path, tokenizer, limit=3)
+    assert len({len(p) for p in prompts}) > 1
+    eos = {tokenizer.eos_token_id}
+    together = speculative.generate_batch(prompts, 16, eos_token_ids=eos)
+    for ids, got in zip(prompts, together):
+        alone = speculative.generate(torch.tensor([ids]), 16, eos_token_ids=eos)
+        assert got.token_ids == alone.token_ids
+        assert got.metrics.num_accepted_tokens == alone.metrics.num_accepted_tokens
+
+
+def test_ragged_rows_draft_as_if_alone():
+    """extend() pads each row past its own count; every row's block must equal that row's proposer alone."""
+    from draftsmith.inference.proposer import PAD_DRAFT_TOKEN as PAD
+    from draftsmith.models.dflash.proposer import DflashProposer
+
+    cfg = tiny_config(learned_mask=False, block_size=5)
+    drafter = tiny_drafter(cfg)
+    torch.manual_seed(2)
+    embed, head = torch.nn.Embedding(256, H), torch.nn.Linear(H, 256, bias=False)
+    aux = torch.randn(2, 9, 3 * H)
+    tokens = torch.randint(0, 256, (2, 10))
+    counts = [[5, 2, 0, 1], [3, 1, 2, 0]]  # tokens committed per extend, per row (prefill first)
+
+    def run(rows):
+        proposer = DflashProposer(drafter, embed, head)
+        proposer.begin(torch.stack([tokens[r] for r in rows]))
+        done = [0] * len(rows)
+        for step in range(len(counts[0])):
+            n = max(counts[r][step] for r in rows)
+            ids = torch.full((len(rows), n), PAD)
+            feats = torch.zeros(len(rows), n, 3 * H)
+            for j, r in enumerate(rows):
+                c = counts[r][step]
+                ids[j, :c] = tokens[r, done[j] + 1: done[j] + 1 + c]
+                feats[j, :c] = aux[r, done[j]: done[j] + c]
+                done[j] += c
+            proposer.extend(ids, feats)
+        return proposer.propose(4)
+
+    together = run([0, 1])
+    for r in (0, 1):
+        alone = run([r])
+        assert together.token_ids[r].tolist() == alone.token_ids[0].tolist()
+        torch.testing.assert_close(together.scores[r], alone.scores[0], atol=1e-5, rtol=1e-5)
+
+
+def test_proposer_drafts_what_the_training_forward_predicts(tmp_path, fixture_target):
+    """The runtime's block after a prefill equals the training forward's block at that anchor."""
+    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+
+    folder, drafter = untrained_checkpoint(tmp_path / "d", fixture_target, learned_mask=True, block_size=6)
+    proposer = build_proposer(parse_spec_config({"method": "dflash", "model": str(folder),
+                                                 "num_speculative_tokens": 5}, "cpu"), fixture_target)
+    ids = torch.randint(10, 16000, (1, 9), generator=torch.Generator().manual_seed(0))
+    captured = fixture_target.capture(ids, aux_layer_ids=drafter.config.aux_layer_ids)
+    proposer.begin(ids[:, :6])
+    proposer.extend(ids[:, 1:7], captured.aux_hidden[:, :6])  # features 0..5 paired with tokens 1..6
+    proposal = proposer.propose(5)
+    with torch.no_grad():
+        hidden = drafter(captured.aux_hidden, fixture_target.embed_tokens(ids[:, 6:7]), torch.tensor([[6]]))
+        want = fixture_target.lm_head(hidden[0, 0, 1:]).argmax(-1)  # slots 1..5
+    assert proposal.token_ids[0].tolist() == want.tolist() and proposal.lengths.tolist() == [5]
+    assert proposer.propose(2).token_ids[0].tolist() == want[:2].tolist()  # a shorter cut of the same block
+    with pytest.raises(ValueError, match="at most block_size - 1 = 5"):
+        proposer.propose(6)
+
+
+def test_k_beyond_the_block_and_mismatched_targets_are_refused(tmp_path, fixture_target, tiny_llama):
+    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+    from draftsmith.models.target import TargetModel
+
+    folder, _ = untrained_checkpoint(tmp_path / "d", fixture_target, block_size=8)
+    with pytest.raises(DflashConfigError, match="num_speculative_tokens <= 7"):
+        build_proposer(parse_spec_config({"method": "dflash", "model": str(folder), "num_speculative_tokens": 8},
+                                         "cpu"), fixture_target)
+    other = TargetModel(tiny_llama()[0].float())
+    with pytest.raises(DflashConfigError, match="vocab 16000 and hidden size 384"):
+        build_proposer(parse_spec_config({"method": "dflash", "model": str(folder), "num_speculative_tokens": 2},
+                                         "cpu"), other)
+
+
+# ---- training end to end ------------------------------------------------------------------------------------------------
+def test_tiny_training_run_writes_a_loadable_checkpoint(tmp_path, fixture_target_dir):
+    from draftsmith.train import train
+
+    replies = ["The capital of France is Paris. It is known for the Eiffel Tower and its museums.",
+               "Water boils at 100 degrees Celsius at sea level, and at lower temperatures at altitude."]
+    data = tmp_path / "conv.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": replies[i % 2]}]}) for i in range(20)))
+    recipe = recipe_from_dict({
+        "model": {"target": str(fixture_target_dir), "method": "dflash", "draft_vocab_size": 512},
+        "dflash": {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 4, 6], "anchors_per_sequence": 8},
+        "data": {"path": str(data), "max_length": 64, "eval_samples": 2, "cache_dir": str(tmp_path / "cache")},
+        "training": {"max_steps": 10, "batch_size": 2, "lr": 3e-3, "log_every": 1, "eval_every": 10,
+                     "save_every": 10, "seed": 3, "warmup_ratio": 0.0},
+        "output_dir": str(tmp_path / "run"),
+    })
+    ckpt = train(recipe, log=lambda *a: None)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["method"] == "dflash" and config["target_layer_ids"] == [1, 4, 6] and config["learned_mask"]
+    assert config["mask_token_id"] == 0  # the fixture has no spare row: its pad token marks masks for engines
+    drafter = load_drafter(tmp_path / "run")
+    assert drafter.config.aux_layer_ids == [2, 5, 7] and drafter.mask_embedding.shape == (384,)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 10 and sum(losses[-3:]) < 0.8 * sum(losses[:3])
+    assert {"train/acc_0", "train/loss_2", "train/sim_accept_len"} <= set(rows[0])
+    evals = [r for r in rows if "eval/loss" in r]
+    assert evals and 1.0 <= evals[-1]["eval/sim_accept_len"] <= 4.0
+
+
+def test_training_refuses_eagle3_aux_ids(tmp_path, fixture_target_dir, fixture_target):
+    from draftsmith.models.dflash.training import DflashMethod
+
+    recipe = recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": "dflash",
+                                         "aux_layer_ids": [2, 4]},
+                               "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
+    with pytest.raises(DflashConfigError, match="dflash.target_layer_ids"):
+        DflashMethod(recipe, fixture_target)
+
+
+# ---- export -----------------------------------------------------------------------------------------------------------
+def make_checkpoint(root, drafter, step=40):
+    ckpt = root / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    write_json_atomic(drafter.config.to_dict(), ckpt / "config.json")
+    save_safetensors_atomic({k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")},
+                            ckpt / "model.safetensors")
+    write_json_atomic({"step": step}, ckpt / "trainer_state.json")
+    (root / "latest").write_text(ckpt.name + "\n")
+    return ckpt
+
+
+@pytest.mark.parametrize("learned_mask", [True, False])
+def test_export_writes_the_engine_format_and_reloads(tmp_path, learned_mask):
+    from safetensors import safe_open
+
+    cfg = tiny_config(learned_mask=learned_mask)
+    if learned_mask:
+        cfg.mask_token_id = 255  # the spare id engines substitute the learned vector at
+    drafter = tiny_drafter(cfg)
+    make_checkpoint(tmp_path / "run", drafter)
+    result = export_dflash(tmp_path / "run", tmp_path / "out", dtype=None)
+    out = tmp_path / "out"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"target_layer_ids": [1, 2, 3], "mask_token_id": 255 if learned_mask else 7}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert (config["num_hidden_layers"], config["block_size"], config["num_target_layers"]) == (2, 4, 6)
+    assert config["head_dim"] == 16 and config["layer_types"] == ["full_attention"] * 2
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.metadata() == {"format": "pt"}
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n or "mask" in n for n in names)
+    assert (out / MASK_EMBEDDING_FILE).is_file() == learned_mask
+    assert "base_model: org/target" in (out / "README.md").read_text()
+    assert any(MASK_EMBEDDING_FILE in w for w in result.warnings) == learned_mask
+    assert "num_speculative_tokens\":3" in result.serve_commands["vLLM"]
+
+    reloaded = load_drafter(out)
+    assert reloaded.config.learned_mask == learned_mask and reloaded.config.target_layer_ids == [1, 2, 3]
+    g = torch.Generator().manual_seed(5)
+    aux, emb = torch.randn(1, 9, 3 * H, generator=g), torch.randn(1, 2, H, generator=g)
+    mask_embed = None if learned_mask else torch.randn(H, generator=g)
+    with torch.no_grad():
+        want = drafter(aux, emb, torch.tensor([[3, 8]]), mask_embed)
+        got = reloaded(aux, emb, torch.tensor([[3, 8]]), mask_embed)
+    torch.testing.assert_close(got, want)
+
+
+def test_export_refuses_broken_checkpoints_and_writes_nothing(tmp_path):
+    drafter = tiny_drafter(tiny_config(learned_mask=True))  # learned mask, but no spare id recorded
+    make_checkpoint(tmp_path / "run", drafter)
+    with pytest.raises(ExportError, match="mask_token_id: None"):
+        export_dflash(tmp_path / "run", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+    cfg = tiny_config(learned_mask=False)
+    config = export_config(cfg)
+    tensors = {k: v for k, v in tiny_drafter(cfg).state_dict().items() if not k.startswith("rotary_emb.")}
+    assert check_dflash_export(config, tensors)[0] == []
+    problems = check_dflash_export(config, {**tensors, "lm_head.weight": torch.zeros(256, H)})[0]
+    assert problems == ["unexpected tensors (engines would ignore them silently): lm_head.weight"]
+    missing = dict(tensors)
+    del missing["layers.1.self_attn.q_norm.weight"]
+    assert check_dflash_export(config, missing)[0] == ["missing tensors: layers.1.self_attn.q_norm.weight"]
+    bad_shape = {**tensors, "fc.weight": torch.zeros(H, 2 * H)}
+    assert "fc.weight: shape (64, 128), expected (64, 192)" in check_dflash_export(config, bad_shape)[0][0]
+    bad_ids = {**config, "dflash_config": {"target_layer_ids": [1, 9], "mask_token_id": 7}}
+    assert any("outside 0..5" in p for p in check_dflash_export(bad_ids, tensors)[0])
+
+
+def test_export_refuses_another_method_and_reads_back_through_the_cli(tmp_path, capsys):
+    from safetensors import safe_open
+
+    from draftsmith.cli import main
+
+    drafter = tiny_drafter(tiny_config(learned_mask=False))
+    ckpt = make_checkpoint(tmp_path / "run", drafter)
+    rc = main(["export", str(ckpt), "--format", "dflash", "--out", str(tmp_path / "out")])
+    assert rc == 0 and "DFLASH" in capsys.readouterr().out
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16  # the default export dtype
+    config = json.loads((ckpt / "config.json").read_text())
+    write_json_atomic({**config, "method": "eagle3"}, ckpt / "config.json")
+    with pytest.raises(ExportError, match="cannot be exported as dflash"):
+        export_dflash(ckpt, tmp_path / "out2")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "config.json").write_text("{}")
+    (tmp_path / "junk" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(DrafterLoadError, match="not a DFlash drafter"):
+        load_drafter(tmp_path / "junk")
+

@@ -1,0 +1,224 @@
+"""The eval sweep and its report: config expansion, dataset names, the recommendation rule, the vLLM string,
+and a tiny end-to-end sweep (random target, ngram + suffix) whose JSON, table and PNGs are checked."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.inference.eval import EvalError, expand_spec_configs, name_datasets, run_sweep, write_eval_json
+from draftsmith.inference.report import (
+    add_recommendations,
+    format_report,
+    recommend,
+    vllm_speculative_config,
+    write_plots,
+)
+from draftsmith.inference.spec_config import SpecConfigError
+from draftsmith.models.target import TargetModel
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def row(method, k, speedup, label=None, **spec):
+    spec_config = {"method": method, "num_speculative_tokens": k, **spec}
+    return {"method": method, "label": label or method, "num_speculative_tokens": k, "speedup": speedup,
+            "tokens_per_second": 100 * speedup, "spec_config": spec_config,
+            "metrics": {"mean_acceptance_length": 1 + k / 2}}
+
+
+def pick(rows, tolerance=0.0):
+    rec = recommend({"results": rows}, tie_tolerance=tolerance)
+    return rec["method"], rec["num_speculative_tokens"]
+
+
+def test_recommendation_takes_the_highest_speedup():
+    rows = [row("ngram", 3, 1.50), row("eagle3", 5, 1.60, model="/d"), row("eagle3", 7, 1.605, model="/d")]
+    assert pick(rows) == ("eagle3", 7)
+    assert pick(rows, tolerance=0.01) == ("eagle3", 5)  # 1.60 is within 1% of 1.605: the smaller k wins
+
+
+def test_recommendation_ties_go_to_the_smaller_k_then_the_order_given():
+    assert pick([row("eagle3", 5, 2.0, model="/d"), row("ngram", 3, 2.0)]) == ("ngram", 3)
+    assert pick([row("suffix", 3, 2.0), row("ngram", 3, 2.0)]) == ("suffix", 3)
+
+
+def test_recommendation_is_plain_decoding_when_nothing_is_faster():
+    assert pick([row("ngram", 1, 0.9), row("ngram", 3, 0.8)]) == (None, 0)
+    assert pick([row("ngram", 1, 1.005)], tolerance=0.01) == (None, 0)  # within noise of plain decoding
+    assert pick([row("ngram", 1, 1.005)]) == ("ngram", 1)
+    assert pick([row("ngram", 1, float("nan"))]) == (None, 0)  # a config with no timing cannot be chosen
+    lines = format_report({"datasets": {"d": {"num_prompts": 2, "baseline": {"tokens_per_second": 10.0}}},
+                           "results": [], "max_new_tokens": 4, "temperature": 0.0,
+                           "recommendations": {"d": recommend({"results": [row("ngram", 1, 0.5)]})}})
+    assert "recommended for d: plain decoding" in lines
+
+
+def test_recommendation_is_a_config_vllm_can_serve():
+    tree = row("eagle3", 8, 2.5, model="/d", dynamic_tree={"depth": 3, "top_k": 2})
+    rec = recommend({"results": [row("eagle3", 3, 2.0, model="/d"), tree]})
+    assert (rec["method"], rec["num_speculative_tokens"]) == ("eagle3", 3)
+    assert rec["draftsmith_only_faster"] == {"label": "eagle3", "num_speculative_tokens": 8, "speedup": 2.5}
+    rec = recommend({"results": [row("ngram", 1, 0.9), tree]})
+    assert rec["method"] is None and rec["fastest_config"]["speedup"] == 0.9
+    text = format_report({
+        "datasets": {"d": {"num_prompts": 1, "baseline": {"tokens_per_second": 10.0}}}, "results": [],
+        "max_new_tokens": 4, "temperature": 0.0, "recommendations": {"d": rec}})
+    assert "reached 0.90x" in text and "not servable by vLLM: eagle3 k=8, 2.50x" in text
+
+
+def test_vllm_string_puts_method_model_and_k_first():
+    rec = recommend({"results": [row("eagle3", 3, 2.0, model="/out/drafter")]})
+    expected = '{"method": "eagle3", "model": "/out/drafter", "num_speculative_tokens": 3}'
+    assert rec["vllm_speculative_config"] == expected
+    assert json.loads(vllm_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 4,
+                                               "method": "ngram"})) == {"method": "ngram", "num_speculative_tokens": 2,
+                                                                        "prompt_lookup_max": 4}
+
+
+def test_configs_without_k_are_swept_and_configs_with_k_run_as_given():
+    specs = expand_spec_configs(
+        ['{"method": "ngram", "prompt_lookup_max": 2}', {"method": "suffix", "num_speculative_tokens": 4},
+         {"method": "ngram", "prompt_lookup_max": 2, "num_speculative_tokens": 3}],  # a duplicate of the sweep's
+        [1, 3], device_type="cpu")
+    assert [(s.method, s.num_speculative_tokens) for s in specs] == [("ngram", 1), ("ngram", 3), ("suffix", 4)]
+    assert [s.num_speculative_tokens for s in expand_spec_configs([{"method": "suffix"}], None, "cpu")] == [24]
+    # A static tree's node count is its k: it runs as given, not swept.
+    tree = {"method": "eagle3", "model": "/d", "speculative_token_tree": "[(0,), (1,), (0, 0)]"}
+    assert [s.num_speculative_tokens for s in expand_spec_configs([tree], [1, 5], "cpu")] == [3]
+
+
+@pytest.mark.parametrize(
+    "configs, lengths, message",
+    [
+        (['{"method": "ngram"}', '{"method": "ngram", "prompt_lookup_maxx": 2}'], [1],
+         r"unknown key 'prompt_lookup_maxx' \(did you mean 'prompt_lookup_max'\?\) \[--speculative-config #2\]"),
+        (['{"method": "ngram"}'], None, "required .* --num-speculative-tokens"),
+        (['{"method": "ngram"}'], [2, 0], "--num-speculative-tokens: need integers >= 1"),
+    ],
+)
+def test_bad_configs_fail_with_one_clear_line(configs, lengths, message):
+    with pytest.raises(SpecConfigError, match=message) as err:
+        expand_spec_configs(configs, lengths, "cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_dataset_names(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "question.jsonl").write_text("{}\n")
+    (tmp_path / "code.jsonl").write_text("{}\n")
+    names = name_datasets([str(tmp_path / "a/question.jsonl"), str(tmp_path / "b/question.jsonl"),
+                           f"humaneval={tmp_path / 'code.jsonl'}"])
+    assert list(names) == ["a/question", "b/question", "humaneval"]
+    assert list(name_datasets([str(tmp_path / "code.jsonl")])) == ["code"]
+    with pytest.raises(EvalError, match="missing.jsonl: file not found"):
+        name_datasets([str(tmp_path / "code.jsonl"), str(tmp_path / "missing.jsonl")])
+    with pytest.raises(EvalError, match="name 'x' is taken"):
+        name_datasets([f"x={tmp_path / 'code.jsonl'}", f"x={tmp_path / 'a/question.jsonl'}"])
+
+
+class NoTokenizer:
+    eos_token_id = None  # the sweep only asks a tokenizer for its EOS id
+
+
+def test_tiny_sweep_writes_json_table_and_plots(tiny_llama, tmp_path):
+    from matplotlib.image import imread
+
+    from draftsmith.models.model_card import acceptance_table
+
+    model, _ = tiny_llama()
+    target = TargetModel(model.float().eval())
+    gen = torch.Generator().manual_seed(0)
+    # Prompts that repeat themselves, so both proposers find matches.
+    prompts = [(torch.randint(3, 256, (5,), generator=gen).tolist() * 3) for _ in range(3)]
+    datasets = {"first": prompts[:2], "second": prompts[2:]}
+    specs = expand_spec_configs(['{"method": "ngram", "prompt_lookup_max": 2}', '{"method": "suffix"}'],
+                                [1, 2], device_type="cpu")
+    sweep = run_sweep(target, NoTokenizer(), datasets, specs, max_new_tokens=10, progress=False)
+    add_recommendations(sweep, tie_tolerance=0.0)
+
+    assert [(r["dataset"], r["label"], r["num_speculative_tokens"]) for r in sweep["results"]] == [
+        (d, m, k) for d in ("first", "second") for m in ("ngram", "suffix") for k in (1, 2)]
+    assert all(r["lossless_mismatches"] == 0 for r in sweep["results"])  # greedy, float32: not one token differs
+    assert {name: info["num_prompts"] for name, info in sweep["datasets"].items()} == {"first": 2, "second": 1}
+    for name, rec in sweep["recommendations"].items():
+        rows = [r for r in sweep["results"] if r["dataset"] == name]
+        best = max(r["speedup"] for r in rows)
+        if best > 1.0:  # the rule at tolerance 0: the fastest config, or plain decoding when none beats it
+            assert rec["speedup"] == best and json.loads(rec["vllm_speculative_config"]) == rec["spec_config"]
+        else:
+            assert rec["method"] is None
+
+    report = format_report(sweep, target="/models/t")
+    lines = report.splitlines()
+    assert lines[0] == "== first: 2 prompts, 10 new tokens, temperature 0 =="
+    assert lines[1].split()[:2] == ["method", "k"]
+    starred = [line for line in lines[4:8] if line.split()[0].endswith("*")]  # the 4 config rows of "first"
+    assert len(starred) == (0 if sweep["recommendations"]["first"]["method"] is None else 1)
+    assert "== second: 1 prompts" in report and report.count("recommended for ") == 2
+
+    path = write_eval_json(sweep, tmp_path / "out" / "eval.json", target, argv=["draftsmith", "eval"])
+    saved = json.loads(path.read_text())
+    assert saved["recommendations"] == json.loads(json.dumps(sweep["recommendations"]))
+    assert saved["command"] == "draftsmith eval" and len(saved["results"]) == 8
+    card = acceptance_table(saved)  # the model card still renders the sweep, one row per dataset and k
+    assert card is not None and len(card.splitlines()) == 2 + 8 and "| second | 2 |" in card
+
+    plots = write_plots(sweep, tmp_path / "out")
+    assert [p.name for p in plots] == ["eval_first.png", "eval_second.png"]
+    for p in plots:
+        assert p.read_bytes()[:8] == PNG_SIGNATURE
+        assert imread(p).shape[:2] == (880, 1210)  # 11 x 8 inches at 110 dpi
+    assert sorted(p.name for p in path.parent.iterdir()) == ["eval.json", "eval_first.png", "eval_second.png"]
+
+
+def test_cli_rejects_a_bad_config_before_loading_anything(tmp_path, capsys, monkeypatch):
+    from draftsmith.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the configs were checked")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", no_loading)
+    rc = main(["eval", "--target", str(tmp_path / "no-target"), "--device", "cpu",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+               "--speculative-config", '{"method": "suffix", "suffix_decoding_max_tree_dpth": 4}',
+               "--dataset", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "suffix_decoding_max_tree_dpth" in err and "#2" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_sweep_on_the_fixture(fixture_target_dir, mt_bench_path, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    rc = main(["eval", "--target", str(fixture_target_dir), "--device", "cpu", "--dtype", "float32",
+               "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
+               "--num-speculative-tokens", "1", "2",
+               "--dataset", f"mt={mt_bench_path}", "--dataset", f"again={mt_bench_path}",
+               "--num-prompts", "1", "--max-new-tokens", "8", "--tie-tolerance", "0", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert set(saved["recommendations"]) == {"mt", "again"} and len(saved["results"]) == 4
+    assert (tmp_path / "eval.txt").read_text().strip() in out
+    assert (tmp_path / "eval_mt.png").read_bytes()[:8] == PNG_SIGNATURE
+    for name, rec in saved["recommendations"].items():
+        if rec["method"] is not None:  # the exact string to paste into `vllm serve`
+            assert f"--speculative-config '{rec['vllm_speculative_config']}'" in out
+
+
+def test_sampled_eval_reports_temperature_and_skips_the_token_comparison(tiny_llama):
+    from draftsmith.inference.eval import format_table, run_eval
+    from draftsmith.inference.sampling import SamplingParams
+
+    model, _ = tiny_llama()
+    target = TargetModel(model.float().eval())
+    specs = expand_spec_configs([{"method": "suffix", "num_speculative_tokens": 2}], None, "cpu")
+    result = run_eval(target, NoTokenizer(), [[5, 6, 7, 5, 6, 7]], specs, max_new_tokens=6, progress=False,
+                      sampling=SamplingParams(temperature=1.0, seed=0))
+    (r,) = result["results"]
+    assert result["temperature"] == 1.0 and result["sampling"]["seed"] == 0
+    assert "lossless_mismatches" not in r  # sampled outputs are compared in distribution (test_sampling), not here
+    assert format_table(result).splitlines()[-1].split()[-1] == "n/a"
