@@ -53,6 +53,9 @@ class ModelConfig(BaseModel):
     aux_layer_ids: list[int] | None = None
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attn_implementation: str = Field("sdpa", min_length=1)
+    # Start from a drafter checkpoint (draftsmith's, or one `draftsmith import` wrote) instead of fresh weights;
+    # its draft vocabulary is kept.
+    init_from: str | None = None
 
     @model_validator(mode="after")
     def _check_aux(self) -> ModelConfig:

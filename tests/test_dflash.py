@@ -513,3 +513,30 @@ def test_export_refuses_another_method_and_reads_back_through_the_cli(tmp_path, 
     with pytest.raises(DrafterLoadError, match="not a DFlash drafter"):
         load_drafter(tmp_path / "junk")
 
+
+
+@pytest.mark.parametrize("learned_mask", [True, False])
+def test_import_of_a_dflash_export_round_trips_unchanged(tmp_path, learned_mask):
+    """`draftsmith import` turns a DFlashDraftModel folder back into a draftsmith checkpoint; exporting that again
+    gives the same config and bit-identical tensors."""
+    from safetensors.torch import load_file
+
+    from draftsmith.models.importer import import_checkpoint
+
+    cfg = tiny_config(learned_mask=learned_mask)
+    if learned_mask:
+        cfg.mask_token_id = 255
+    make_checkpoint(tmp_path / "run", tiny_drafter(cfg))
+    export_dflash(tmp_path / "run", tmp_path / "first", dtype=None)
+    result = import_checkpoint(tmp_path / "first", tmp_path / "imported")
+    assert result.format == "dflash"
+    assert json.loads((tmp_path / "imported" / "config.json").read_text())["method"] == "dflash"
+    export_dflash(tmp_path / "imported", tmp_path / "second", dtype=None)
+    for name in ["config.json"]:
+        first = json.loads((tmp_path / "first" / name).read_text())
+        second = json.loads((tmp_path / "second" / name).read_text())
+        first.pop("draftsmith", None), second.pop("draftsmith", None)  # provenance names the source folder
+        assert first == second
+    a, b = load_file(str(tmp_path / "first" / "model.safetensors")), load_file(str(tmp_path / "second" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "second" / MASK_EMBEDDING_FILE).is_file() == learned_mask

@@ -362,3 +362,15 @@ def test_cli(tmp_path, capsys):
 
     assert run_export(_cli(str(tmp_path / "missing"), "--format", "sglang", "--out", str(tmp_path / "o2"))) == 2
     assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    """safetensors creates its files 0600; exported drafters are meant to be shared and served by other users."""
+    import os
+
+    from draftsmith.models.checkpoint import save_safetensors_atomic
+
+    save_safetensors_atomic({"w": torch.zeros(2)}, tmp_path / "m.safetensors")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from draftsmith.config import recipe_from_dict
 from draftsmith.train import trainer as trainer_mod
@@ -81,3 +82,23 @@ def test_training_lowers_loss_and_writes_a_loadable_checkpoint(tmp_path, fixture
     drafter = load_drafter(tmp_path / "run")  # an output_dir means its latest checkpoint
     assert drafter.config.draft_vocab_size == 512 and drafter.t2d.sum() == 512
     assert not list((tmp_path / "run").glob(".*tmp*")), "no half-written checkpoint left behind"
+
+
+def test_init_from_continues_from_a_checkpoint(tmp_path, fixture_target_dir):
+    """model.init_from starts a run from an earlier (or imported) drafter: its weights, not fresh ones."""
+    from safetensors.torch import load_file
+
+    from draftsmith.train.trainer import TrainingError
+
+    data = write_conversations(tmp_path / "conv.jsonl")
+    first = train(tiny_recipe(fixture_target_dir, data, tmp_path / "a", max_steps=2), log=lambda *a: None)
+    recipe = tiny_recipe(fixture_target_dir, data, tmp_path / "b", max_steps=1, lr=1e-12, warmup_ratio=0.0)
+    recipe.model.init_from = str(first)
+    second = train(recipe, log=lambda *a: None)
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert torch.allclose(a["fc.weight"], b["fc.weight"], atol=1e-6)  # lr ~ 0: the weights are the loaded ones
+    bad = tiny_recipe(fixture_target_dir, data, tmp_path / "c", max_steps=1)
+    bad.model.draft_vocab_size = 256
+    bad.model.init_from = str(first)
+    with pytest.raises(TrainingError, match="does not fit"):
+        train(bad, log=lambda *a: None)

@@ -141,6 +141,12 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     return config, tensors
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
@@ -154,6 +160,7 @@ def _replace_atomically(path: Path, write) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files 0600; shared checkpoints should be readable
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,9 +1,9 @@
 """`draftsmith import SRC --out CHECKPOINT [--target T] [--overwrite]`: a published drafter as a draftsmith checkpoint.
 
-So a drafter trained elsewhere can be fine-tuned (`draftsmith train` from it), evaluated or re-exported. SRC is a
-folder, or a Hugging Face repo id (downloaded). Formats are a table, format name -> `ImportFormat(detect, read)`;
-the first whose `detect(config)` is true reads the folder. Adding a drafter's formats means adding rows here
-(DFlash: a row `"dflash": ImportFormat(detect=..., read=...)` whose reader returns a `"method": "dflash"` config).
+So a drafter trained elsewhere can be fine-tuned (a recipe's `model.init_from: CHECKPOINT`), evaluated or
+re-exported. SRC is a folder, or a Hugging Face repo id (downloaded). Formats are a table, format name ->
+`ImportFormat(detect, read)`; the first whose `detect(config)` is true reads the folder. Adding a drafter's formats
+means adding rows here.
 
 The checkpoint written is what the trainer writes (config.json, model.safetensors, trainer_state.json when the
 source recorded its step) plus `import.json`: where it came from, what had to be assumed, and the source's
@@ -157,7 +157,35 @@ def _is_native_eagle3(config: dict[str, Any]) -> bool:
     return is_native_eagle3(config)
 
 
+# ---- DFlash (the `DFlashDraftModel` layout vLLM and SGLang load) ----------------------------------------------
+def _read_dflash(folder: Path, public: dict[str, Any], target: str | None) -> ImportedCheckpoint:
+    from draftsmith.models.dflash.model import DflashDrafter, DrafterLoadError, read_drafter_folder
+
+    try:
+        config, tensors = read_drafter_folder(folder)
+    except DrafterLoadError as e:
+        raise CheckpointImportError(str(e)) from None
+    if target:
+        config.target_name_or_path = target
+    expected = {k: v.shape for k, v in DflashDrafter(config).state_dict().items() if not k.startswith("rotary_emb.")}
+    problems = [f"missing {k}" for k in sorted(set(expected) - set(tensors))]
+    problems += [f"unexpected {k}" for k in sorted(set(tensors) - set(expected))]
+    problems += [f"{k}: shape {tuple(t.shape)}, expected {tuple(expected[k])}"
+                 for k, t in sorted(tensors.items()) if k in expected and t.shape != expected[k]]
+    if problems:
+        raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
+    prov = public.get("draftsmith") if isinstance(public.get("draftsmith"), dict) else {}
+    step = prov.get("step")
+    return ImportedCheckpoint(config=config.to_dict(), tensors=tensors, notes=[],
+                              step=step if isinstance(step, int) else None)
+
+
+def _is_dflash(config: dict[str, Any]) -> bool:
+    return "DFlashDraftModel" in (config.get("architectures") or [])
+
+
 IMPORTERS: dict[str, ImportFormat] = {
+    "dflash": ImportFormat(_is_dflash, _read_dflash, "DFlash (DFlashDraftModel, `layers.*`, dflash_config): vLLM, SGLang"),
     "speculators-eagle3": ImportFormat(_is_speculators_eagle3, _read_eagle3,
                                        "vllm-project/speculators EAGLE-3 (`layers.0.*`, speculators_config)"),
     "native-eagle3": ImportFormat(_is_native_eagle3, _read_eagle3,

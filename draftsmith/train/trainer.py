@@ -130,6 +130,23 @@ def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Pa
     return final
 
 
+def load_initial_weights(drafter, path: str, method: str) -> None:
+    """Copy a checkpoint's weights (and draft vocabulary) into a freshly built drafter of the same shape."""
+    from draftsmith.models.checkpoint import load_checkpoint, resolve_checkpoint
+
+    config, state = load_checkpoint(resolve_checkpoint(path))
+    if config.get("method") != method:
+        raise TrainingError(f"model.init_from: {path} holds a {config.get('method')!r} drafter, the recipe trains "
+                            f"{method!r}")
+    own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    problems = [k for k in own if k not in state or state[k].shape != own[k].shape]
+    problems += [k for k in state if k not in own]
+    if problems:
+        raise TrainingError(f"model.init_from: {path} does not fit this target and recipe (tensors "
+                            f"{problems[:5]} differ): train a fresh drafter or match model.draft_vocab_size")
+    drafter.load_state_dict(state, strict=False)
+
+
 @torch.no_grad()
 def evaluate(method, drafter, samples, batch_size, pad_id, device) -> dict[str, float]:
     """Held-out loss, per-step top-1 accuracy and simulated acceptance length, weighted by valid positions."""
@@ -196,6 +213,9 @@ def train(recipe: Recipe, log=print) -> Path:
             recipe.data.cache_path(), tokenizer, data.train, target.vocab_size, recipe.model.draft_vocab_size)
     log(f"draft vocab: {recipe.model.draft_vocab_size} of {target.vocab_size} tokens ({vocab_path})")
     drafter = method.build_drafter(d2t, t2d)
+    if recipe.model.init_from:
+        load_initial_weights(drafter, recipe.model.init_from, recipe.model.method)
+        log(f"initialised the drafter from {recipe.model.init_from}")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
 
