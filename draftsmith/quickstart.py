@@ -167,7 +167,7 @@ def run_quickstart(args: argparse.Namespace) -> int:
                                 eos_token_ids={tokenizer.eos_token_id})
     _log(f"prompt: {prompts_convs[0][0]['content'][:120]!r}")
     _log(f"eagle3 answer: {tokenizer.decode(sample.token_ids, skip_special_tokens=True)[:300]!r}")
-    _log(sample.metrics.log_line())
+    _log(sample.metrics.log_line(sample.seconds))
 
     result = run_eval(target, tokenizer, prompt_ids, [ngram, eagle], args.max_new_tokens)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
