@@ -78,6 +78,7 @@ def test_static_step_ignores_stale_cache_entries():
     target = TargetModel(model)
     ids = torch.randint(0, 128, (1, 10))
     cache = target.new_cache(1, 24)
+    assert torch.isfinite(cache.keys).all() and torch.isfinite(cache.values).all()  # masked slots are read too
     target.step(ids[:, :6], cache)
     target.step(torch.randint(0, 128, (1, 5)), cache)  # rejected: stale entries at positions 6..10
     cache.rollback(6)

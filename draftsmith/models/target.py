@@ -52,8 +52,10 @@ class KVCache:
 
     def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_length, dtype, device):
         shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)  # (L, B, kv, T_max, hd)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        # Zeros, not empty: steps that attend over the whole cache mask unwritten slots, and a masked slot
+        # holding NaN garbage would still poison the output (0 * NaN = NaN).
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, kv, T_max, hd)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
         self.max_length = max_length
 
