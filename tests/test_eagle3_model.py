@@ -143,3 +143,26 @@ def test_teacher_targets_chunked_equals_full():
     full = head(hidden)
     torch.testing.assert_close(draft_logits, full[..., t2d])
     assert torch.equal(in_draft, t2d[full.argmax(-1)])
+
+
+@torch.no_grad()
+def test_static_greedy_chain_equals_the_eager_chain():
+    """The shape-static chain (what the CUDA graph records) drafts what the eager cached steps draft, with stale
+    slots of an earlier, longer draft still in the cache."""
+    from draftsmith.models.eagle3.proposer import Eagle3Proposer
+
+    drafter = tiny_drafter(4)
+    embed = nn.Embedding(V, H)
+    proposer = Eagle3Proposer(drafter, embed)
+    prompt = torch.randint(0, V, (1, 6))
+    proposer.begin(prompt)
+    proposer.extend(torch.randint(0, V, (1, 6)), torch.randn(1, 6, 3 * H))
+    proposer.propose(5)  # leaves 4 stale speculative slots
+    proposer.extend(torch.randint(0, V, (1, 2)), torch.randn(1, 2, 3 * H))
+    committed = proposer.committed
+    want = proposer.propose(4)
+    start = torch.full((1, 1), committed, dtype=torch.long)
+    proposer.cache.keys[0, :, :, committed:] = 1e4  # garbage past the context must stay unseen
+    tokens, scores = drafter.greedy_chain_static(proposer.next_hidden, start, proposer.cache, embed, 4)
+    assert torch.equal(tokens, want.token_ids)
+    torch.testing.assert_close(scores, want.scores, atol=1e-5, rtol=1e-5)

@@ -33,3 +33,28 @@ def test_graphed_steps_equal_eager_steps_on_fixture(fixture_target_dir, mt_bench
             outs.append(plain)
         assert outs[0] == outs[1]
     assert graphed._graphs, "the graphed target captured no graph"
+
+
+def test_graphed_eagle3_chain_equals_eager_and_stays_lossless(tmp_path, fixture_target_dir, mt_bench_path,
+                                                              monkeypatch):
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+    from test_eagle3_runtime import untrained_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cuda")
+    folder, _ = untrained_checkpoint(tmp_path / "drafter", target)
+    spec = parse_spec_config({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
+    graphed = build_proposer(spec, target)
+    monkeypatch.setenv("DRAFTSMITH_CUDA_GRAPHS", "0")
+    eager = build_proposer(spec, target)
+    assert graphed._graphs_on and not eager._graphs_on
+    for ids in load_prompts(mt_bench_path, tokenizer, limit=3):
+        prompt = torch.tensor([ids], device="cuda")
+        plain = SpeculativeGenerator(target, None, 0).generate(prompt, 48)
+        a = SpeculativeGenerator(target, graphed, 3).generate(prompt, 48)
+        b = SpeculativeGenerator(target, eager, 3).generate(prompt, 48)
+        assert a.token_ids == b.token_ids == plain.token_ids
+        assert a.metrics.to_dict() == b.metrics.to_dict()
+    assert graphed._graphs, "the chain was never replayed as a graph"

@@ -185,6 +185,36 @@ class Eagle3Drafter(nn.Module):
         cache.length = end
         return self.midlayer.finish(out, hidden)
 
+    def step_static(self, embeds, hidden, cache: KVCache, position_ids):
+        """Shape-static `step` for CUDA graphs (B = 1): K/V are scattered at `position_ids` (1, T) and the queries
+        attend over the whole cache masked by position, so slots past the committed context (stale drafts, never
+        written slots) are not seen. Does not move `cache.length`: the caller does."""
+        cos, sin = self.rope(embeds, position_ids)
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
+        slots = position_ids[0]  # (T,)
+        cache.keys[0].index_copy_(2, slots, k)
+        cache.values[0].index_copy_(2, slots, v)
+        key_pos = torch.arange(cache.max_length, device=embeds.device)
+        mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (1, 1, T, T_max)
+        out = attend(q, cache.keys[0], cache.values[0], mask, scale=attn.head_dim ** -0.5)
+        return self.midlayer.finish(out, hidden)
+
+    def greedy_chain_static(self, hidden, start, cache: KVCache, embed_tokens, num_tokens: int):
+        """`num_tokens` argmax drafts from `hidden` (1, 1, H), the drafter's output at the last committed pair;
+        chain step i writes its pair at position start + i (start (1, 1) long). No host sync, fixed shapes: this
+        is what a CUDA graph records. Returns target token ids (1, k) and their draft log-probs (1, k)."""
+        tokens, scores = [], []
+        for i in range(num_tokens):
+            logprobs = torch.log_softmax(self.logits(hidden)[:, -1].float(), dim=-1)  # (1, V_d)
+            score, draft_id = logprobs.max(dim=-1)
+            token = self.draft_to_target(draft_id)  # (1,)
+            tokens.append(token)
+            scores.append(score)
+            if i + 1 < num_tokens:
+                hidden = self.step_static(embed_tokens(token[:, None]), hidden, cache, start + i)
+        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
+
 
 def init_drafter_from_target(drafter: Eagle3Drafter, target_lm_head_weight: torch.Tensor) -> None:
     """Start the draft head from the target's head rows of the draft vocabulary: it already maps the target's

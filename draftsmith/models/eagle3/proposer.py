@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from draftsmith import device as dev
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
 from draftsmith.inference.sampling import Sampler
 from draftsmith.inference.tree import causal_mask, dynamic_tree, parse_token_tree, static_tree, step_attention_mask
@@ -61,6 +62,8 @@ class Eagle3Proposer:
         self.ragged = False  # B > 1: per-row validity and positions
         self.valid: Tensor | None = None  # (B, T_max) bool, used when ragged
         self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
+        self._graphs_on = dev.graphs_supported(self.device)
+        self._graphs: dict = {}  # (k, cache id) -> (hidden buffer, start buffer, replay, outputs)
 
     @classmethod
     def from_config(cls, spec, target) -> "Eagle3Proposer":
@@ -84,7 +87,13 @@ class Eagle3Proposer:
     def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
         batch = prompt_ids.shape[0]
         length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
-        self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
+        reusable = (self._graphs_on and self.cache is not None and self.cache.keys.shape[1] == batch
+                    and self.cache.max_length >= length)
+        if reusable:  # keep the cache (and the graphs recorded on it) across requests
+            self.cache.length = 0
+        else:
+            self._graphs.clear()
+            self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
         self.committed = 0
         self.next_hidden = None
         self.sampler = sampler
@@ -101,6 +110,7 @@ class Eagle3Proposer:
         bigger.values[..., : self.cache.length, :] = self.cache.values[..., : self.cache.length, :]
         bigger.length = self.cache.length
         self.cache = bigger
+        self._graphs.clear()  # recorded on the old cache's memory
         if self.valid is not None:
             grown = torch.zeros(self.valid.shape[0], length, dtype=torch.bool, device=self.device)
             grown[:, : self.valid.shape[1]] = self.valid
@@ -155,6 +165,8 @@ class Eagle3Proposer:
             return self._propose_tree(num_tokens)
         self._ensure_capacity(self.committed + num_tokens)
         sampled = self.draft_sample_method == "probabilistic" and self.sampler is not None
+        if self._graphs_on and batch == 1 and not self.ragged and not sampled:
+            return self._graphed_chain(num_tokens)
         hidden = self.next_hidden
         drafts, scores, probs = [], [], []
         if self.ragged:  # draft slots of this call see each other causally, the committed context per row
@@ -178,6 +190,29 @@ class Eagle3Proposer:
         lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
         return Proposal(token_ids=token_ids, lengths=lengths, scores=torch.stack(scores, dim=1),
                         draft_probs=torch.stack(probs, dim=1) if sampled else None)
+
+    def _graphed_chain(self, num_tokens: int) -> Proposal:
+        """The greedy chain of one request replayed as one CUDA graph per k (`Eagle3Drafter.greedy_chain_static`):
+        k drafter steps cost one launch instead of a few hundred."""
+        key = (num_tokens, id(self.cache))
+        entry = self._graphs.get(key)
+        if entry is None:
+            hidden_buf = self.next_hidden.clone()
+            start_buf = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
+            cache, embed = self.cache, self.embed_tokens
+
+            def run():
+                return self.drafter.greedy_chain_static(hidden_buf, start_buf, cache, embed, num_tokens)
+
+            replay, outputs = dev.capture_graph(run)  # its warm-up runs compute this very chain
+            entry = self._graphs[key] = (hidden_buf, start_buf, replay, outputs)
+        hidden_buf, start_buf, replay, (tokens, scores) = entry
+        hidden_buf.copy_(self.next_hidden)
+        start_buf.fill_(self.committed)
+        replay()
+        self.cache.length = self.committed + num_tokens - 1  # the chain's pairs, as the eager loop leaves them
+        lengths = torch.full((1,), num_tokens, dtype=torch.long, device=self.device)
+        return Proposal(token_ids=tokens.clone(), lengths=lengths, scores=scores.clone())
 
     def _propose_tree(self, max_depth: int) -> Proposal:
         """Static or dynamic tree of at most `max_depth` levels; see tree.py."""
