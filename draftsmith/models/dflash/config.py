@@ -21,6 +21,8 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig
 
+from draftsmith.models.drafter_config import config_from_dict, target_provenance
+
 METHOD = "dflash"
 # Loss decay per block size from the DFlash paper (methods.md §2.2): w_k = exp(-(k - 1) / gamma).
 PAPER_LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -164,12 +166,7 @@ class DflashDrafterConfig:
             rms_norm_eps=getattr(target, "rms_norm_eps", 1e-6),
             max_position_embeddings=getattr(target, "max_position_embeddings", 4096),
             rope_parameters=rope_parameters_of(target),
-            target_name_or_path=target_name_or_path or getattr(target, "_name_or_path", ""),
-            target_architectures=list(getattr(target, "architectures", None) or []),
-            target_model_type=getattr(target, "model_type", ""),
-            bos_token_id=getattr(target, "bos_token_id", None),
-            eos_token_id=getattr(target, "eos_token_id", None),
-            pad_token_id=getattr(target, "pad_token_id", None),
+            **target_provenance(target, target_name_or_path),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,13 +174,7 @@ class DflashDrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DflashDrafterConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise DflashConfigError(f"DFlash config: unknown keys {unknown}")
-        if d.get("method", METHOD) != METHOD:
-            raise DflashConfigError(f"DFlash config: method {d.get('method')!r}, expected {METHOD!r}")
-        return cls(**d)
+        return config_from_dict(cls, d, "DFlash", METHOD, DflashConfigError)
 
     def llama_config(self) -> LlamaConfig:
         """A `LlamaConfig` for the transformers building blocks (RoPE, gated MLP) the draft layers reuse."""

@@ -13,6 +13,8 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig
 
+from draftsmith.models.drafter_config import config_from_dict, target_provenance
+
 METHOD = "eagle3"
 
 
@@ -95,12 +97,7 @@ class Eagle3Config:
             hidden_act=getattr(target, "hidden_act", "silu"),
             max_position_embeddings=getattr(target, "max_position_embeddings", 4096),
             rope_parameters=rope_parameters_of(target),
-            target_name_or_path=target_name_or_path or getattr(target, "_name_or_path", ""),
-            target_architectures=list(getattr(target, "architectures", None) or []),
-            target_model_type=getattr(target, "model_type", ""),
-            bos_token_id=getattr(target, "bos_token_id", None),
-            eos_token_id=getattr(target, "eos_token_id", None),
-            pad_token_id=getattr(target, "pad_token_id", None),
+            **target_provenance(target, target_name_or_path),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,11 +105,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"EAGLE-3 config: unknown keys {unknown}")
-        return cls(**d)
+        return config_from_dict(cls, d, "EAGLE-3", METHOD)
 
     def llama_config(self) -> LlamaConfig:
         """A `LlamaConfig` for the transformers building blocks (RoPE, MLP, norms) the draft layer reuses."""

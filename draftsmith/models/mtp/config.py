@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from draftsmith.models.drafter_config import config_from_dict
+
 METHOD = "mtp"
 LAYOUTS = ("deepseek", "qwen3_next")  # native MTP weight layouts (see native.py)
 
@@ -108,10 +110,4 @@ class MtpDrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MtpDrafterConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"MTP config: unknown keys {unknown}")
-        if d.get("method", METHOD) != METHOD:
-            raise ValueError(f"MTP config: method {d.get('method')!r}, expected {METHOD!r}")
-        return cls(**d)
+        return config_from_dict(cls, d, "MTP", METHOD)
