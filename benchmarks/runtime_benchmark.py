@@ -1,0 +1,144 @@
+"""The runtime issue's measurement in one process: draftsmith's plain, n-gram, suffix, EAGLE-3 chain (k = 1..7)
+and EAGLE-3 dynamic trees, next to Hugging Face `generate` (plain and prompt-lookup assisted), at each
+temperature, on the same prompts; plus the fraction of the ideal speedup tau / (1 + k c) each EAGLE-3 chain
+reaches, with c = (one drafter chain step) / (one target step) measured here.
+
+    python benchmarks/runtime_benchmark.py --target .fixture/sharegpt-llama-19m --drafter DRAFTER \
+        --dataset .devdata/question.jsonl --temperatures 0 1 --out benchmarks/results/runtime_h200
+
+Writes runtime.json (command, hardware, versions, every figure) and one PNG per temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import device as dev
+from draftsmith.inference.eval import load_prompts, run_info, run_sweep
+from draftsmith.inference.report import write_plots
+from draftsmith.inference.sampling import SamplingParams
+from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+from draftsmith.models.target import TargetModel
+
+TREES = [(4, 4, 16), (6, 8, 48)]  # (depth, top_k, total nodes): a small and an EAGLE-2-sized tree
+
+
+def spec_configs(drafter: str, ks: list[int]) -> list:
+    configs = []
+    for k in ks:
+        configs.append({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1, "num_speculative_tokens": k})
+        configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
+    configs.append({"method": "suffix"})
+    for depth, top_k, nodes in TREES:
+        configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": nodes,
+                        "dynamic_tree": {"depth": depth, "top_k": top_k}})
+    return [parse_spec_config(c) for c in configs]
+
+
+def hf_generate(target: TargetModel, prompts, max_new_tokens, temperature, eos, assisted_k: int | None):
+    """tokens/s of transformers' own `generate` on the same prompts (prompt lookup when `assisted_k`)."""
+    model = target.model
+    tokens, seconds = 0, 0.0
+    extra = {"prompt_lookup_num_tokens": assisted_k} if assisted_k else {}
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    for ids in prompts:
+        x = torch.tensor([ids], device=target.device)
+        dev.synchronize(target.device)
+        start = time.perf_counter()
+        out = model.generate(x, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0],
+                             **sampling, **extra)
+        dev.synchronize(target.device)
+        seconds += time.perf_counter() - start
+        tokens += out.shape[1] - x.shape[1]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def draft_cost_ratio(target: TargetModel, drafter: str, prompt, k: int) -> dict[str, float]:
+    """c = per-token cost of the drafter chain / cost of one plain target step, both timed here."""
+    spec = parse_spec_config({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
+    proposer = build_proposer(spec, target)
+    ids = torch.tensor([prompt], device=target.device)
+    cache = target.new_cache(1, ids.shape[1] + 64)
+    out = target.step(ids, cache, aux_layer_ids=proposer.aux_layer_ids)
+    proposer.begin(ids)
+    proposer.extend(torch.cat([ids[:, 1:], out.logits[:, -1:].argmax(-1)], 1), out.aux_hidden)
+    base = cache.length
+
+    def timed(fn, repeat=100):
+        fn()
+        dev.synchronize(target.device)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        dev.synchronize(target.device)
+        return (time.perf_counter() - start) / repeat
+
+    def target_step():
+        cache.rollback(base)
+        target.step(ids[:, -1:], cache)
+
+    step_s = timed(target_step)
+    chain_s = timed(lambda: proposer.propose(k))
+    return {"target_step_ms": step_s * 1e3, "draft_chain_ms": chain_s * 1e3, "c": chain_s / k / step_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter folder (export or checkpoint)")
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = dev.get_device()
+    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = load_prompts(args.dataset, tokenizer, limit=args.num_prompts)
+    eos = {tokenizer.eos_token_id} | set(target.config.eos_token_id if isinstance(target.config.eos_token_id, list)
+                                         else [target.config.eos_token_id] if target.config.eos_token_id is not None
+                                         else [])
+    report = {**run_info(target, sys.argv), "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
+              "cost_ratio": {k: draft_cost_ratio(target, args.drafter, prompts[0], k) for k in args.ks},
+              "runs": {}}
+    specs = spec_configs(args.drafter, args.ks)
+    for temperature in args.temperatures:
+        sampling = SamplingParams(temperature=temperature, seed=args.seed) if temperature > 0 else None
+        sweep = run_sweep(target, tokenizer, {"mt_bench": prompts}, specs, args.max_new_tokens, sampling=sampling)
+        base = sweep["datasets"]["mt_bench"]["baseline"]["tokens_per_second"]
+        for row in sweep["results"]:
+            k = row["num_speculative_tokens"]
+            tau = row["metrics"].get("mean_acceptance_length")
+            if row["method"] == "eagle3" and "dynamic_tree" not in json.dumps(row["spec_config"]) and tau and \
+                    k in report["cost_ratio"]:
+                ideal = tau / (1 + k * report["cost_ratio"][k]["c"])
+                row["ideal_speedup"] = ideal
+                row["fraction_of_ideal"] = row["speedup"] / ideal
+        sweep["hf_generate"] = {
+            "plain": hf_generate(target, prompts, args.max_new_tokens, temperature, eos, None),
+            "prompt_lookup_k3": hf_generate(target, prompts, args.max_new_tokens, temperature, eos, 3),
+            "draftsmith_plain_tokens_per_second": base,
+        }
+        report["runs"][f"temperature_{temperature:g}"] = sweep
+        write_plots(sweep, out / f"t{temperature:g}")
+    (out / "runtime.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {out / 'runtime.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
