@@ -1,4 +1,5 @@
-"""What every drafter's config shares: the target facts it records and a strict way to read it back."""
+"""What every drafter shares: the target facts its config records, a strict way to read the config back, and
+loading its weights for the runtime."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ import dataclasses
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+
+def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
+    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
+    params = getattr(target, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(target, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = float(getattr(target, "rope_theta", 10000.0))
+    return scaling
 
 
 def target_provenance(target: PretrainedConfig, name_or_path: str = "") -> dict[str, Any]:
@@ -28,3 +41,16 @@ def config_from_dict(cls, d: dict[str, Any], label: str, method: str, error: typ
     if d.get("method", method) != method:
         raise error(f"{label} config: method {d.get('method')!r}, expected {method!r}")
     return cls(**d)
+
+
+def load_for_inference(drafter, tensors, source, device, dtype, error: type[Exception] = ValueError):
+    """Load `tensors` into a freshly built drafter (every tensor but RoPE's must match), move it to `device` and
+    `dtype`, and return it in eval mode. `.to(dtype)` also rounds RoPE's inverse frequencies, so they are rebuilt
+    in float32."""
+    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise error(f"{source}: drafter tensors do not match its config (missing {missing}, unexpected {unexpected})")
+    drafter.to(device=device, dtype=dtype)
+    drafter.rotary_emb = LlamaRotaryEmbedding(drafter.config.llama_config()).to(device)
+    return drafter.eval()

@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig
 
-from draftsmith.models.drafter_config import config_from_dict, target_provenance
+from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
 
 METHOD = "dflash"
 # Loss decay per block size from the DFlash paper (methods.md §2.2): w_k = exp(-(k - 1) / gamma).
@@ -72,17 +72,6 @@ def spare_token_id(tokenizer, vocab_size: int) -> int | None:
     if pad is not None and pad not in (tokenizer.eos_token_id, tokenizer.bos_token_id) and pad < vocab_size:
         return pad
     return None
-
-
-def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
-    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
-    params = getattr(target, "rope_parameters", None)
-    if params:
-        return dict(params)
-    scaling = dict(getattr(target, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    scaling["rope_theta"] = float(getattr(target, "rope_theta", 10000.0))
-    return scaling
 
 
 @dataclass

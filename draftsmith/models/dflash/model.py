@@ -27,6 +27,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.models.dflash.config import DflashConfigError, DflashDrafterConfig
+from draftsmith.models.drafter_config import load_for_inference
 from draftsmith.models.target import KVCache, attend
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
@@ -282,13 +283,4 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DflashD
     from draftsmith.models.checkpoint import resolve_checkpoint
 
     config, tensors = read_drafter_folder(resolve_checkpoint(path))
-    drafter = DflashDrafter(config)
-    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary_emb.")]
-    if missing or unexpected:
-        raise DrafterLoadError(f"{path}: drafter tensors do not match its config (missing {missing}, "
-                               f"unexpected {unexpected})")
-    drafter.to(device=device, dtype=dtype)
-    # .to(dtype) also rounds RoPE's inverse frequencies; rebuild them in float32.
-    drafter.rotary_emb = LlamaRotaryEmbedding(config.llama_config()).to(device)
-    return drafter.eval()
+    return load_for_inference(DflashDrafter(config), tensors, path, device, dtype, DrafterLoadError)

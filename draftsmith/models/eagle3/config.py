@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig
 
-from draftsmith.models.drafter_config import config_from_dict, target_provenance
+from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
 
 METHOD = "eagle3"
 
@@ -25,17 +25,6 @@ def default_aux_layer_ids(num_target_layers: int) -> list[int]:
         # Tiny targets (tests): spread three distinct ids over the available layers instead.
         ids = sorted({max(0, num_target_layers // 4), num_target_layers // 2, max(0, num_target_layers - 1)})
     return ids
-
-
-def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
-    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
-    params = getattr(target, "rope_parameters", None)
-    if params:
-        return dict(params)
-    scaling = dict(getattr(target, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    scaling["rope_theta"] = float(getattr(target, "rope_theta", 10000.0))
-    return scaling
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from draftsmith.models.drafter_config import load_for_inference
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.export import AUX_IDS_KEY, output_of_layer_to_capture
 from draftsmith.models.eagle3.model import Eagle3Drafter
@@ -169,13 +169,4 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> Eagle3D
     from draftsmith.models.checkpoint import resolve_checkpoint
 
     config, tensors = read_drafter_folder(resolve_checkpoint(path))
-    drafter = Eagle3Drafter(config)
-    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary_emb.")]
-    if missing or unexpected:
-        raise DrafterLoadError(f"{path}: drafter tensors do not match its config (missing {missing}, "
-                               f"unexpected {unexpected})")
-    drafter.to(device=device, dtype=dtype)
-    # .to(dtype) also rounds RoPE's inverse frequencies; rebuild them in float32.
-    drafter.rotary_emb = LlamaRotaryEmbedding(config.llama_config()).to(device)
-    return drafter.eval()
+    return load_for_inference(Eagle3Drafter(config), tensors, path, device, dtype, DrafterLoadError)
