@@ -31,7 +31,7 @@ python3 -m draftsmith.cli train recipes/eagle3_fixture.yaml model.method="$METHO
 cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl"
 python3 -m draftsmith.cli export "$RUN" --format "$FORMAT" --out "$OUT/$METHOD" --overwrite
 K=3
-timeout 120 python3 -m draftsmith.cli eval --target .fixture/sharegpt-llama-19m --dataset .devdata/question.jsonl \
+timeout "${SMOKE_TIMEOUT:-120}" python3 -m draftsmith.cli eval --target .fixture/sharegpt-llama-19m --dataset .devdata/question.jsonl \
   --num-prompts 10 --max-new-tokens 128 --out "$OUT/smoke" \
   --speculative-config "{\"method\":\"$METHOD\",\"model\":\"$OUT/$METHOD\",\"num_speculative_tokens\":$K}" \
   2>&1 | tail -8 || echo "smoke eval failed or timed out"

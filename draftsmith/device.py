@@ -212,6 +212,18 @@ def graphs_supported(device: torch.device | str) -> bool:
     return _device_type(device) == "cuda" and os.environ.get("DRAFTSMITH_CUDA_GRAPHS", "1") != "0"
 
 
+def runtime_attention():
+    """Context for decoding: scaled-dot-product attention without the cuDNN backend.
+
+    cuDNN's attention builds an execution plan for every new shape. Decoding changes the key length at every
+    eager step (drafters, prefill, extend), so with cuDNN each step would pay a plan build of tens of
+    milliseconds; flash, memory-efficient and math kernels have no per-shape setup. A no-op where cuDNN
+    attention does not exist (CPU, NPU, older torch)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def capture_graph(fn, warmup: int = 2):
     """Record `fn()` (fixed shapes, no host syncs) into a CUDA graph after `warmup` runs on a side stream, as
     PyTorch's CUDA-graph notes require. Returns (replay, outputs): call `replay()` to rerun fn on whatever is now

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from draftsmith import device as dev
 from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal, Proposer
 from draftsmith.inference.sampling import GREEDY, Sampler, SamplingParams
@@ -93,6 +94,10 @@ class SpeculativeGenerator:
             committed    c -> c + a + 1               slots of last and the accepted path kept (tree: compacted
                                                       to consecutive slots), the rest invalid or overwritten
         """
+        with dev.runtime_attention():
+            return self._generate_batch(prompts, max_new_tokens, eos_token_ids, sampling)
+
+    def _generate_batch(self, prompts, max_new_tokens, eos_token_ids, sampling) -> list[GenerationResult]:
         rows = [torch.as_tensor(p, dtype=torch.long).flatten().cpu() for p in prompts]
         if not rows or any(r.numel() < 1 for r in rows):
             raise ValueError("generate_batch: need at least one prompt, each of at least one token")
