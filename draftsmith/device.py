@@ -238,3 +238,32 @@ def capture_graph(fn, warmup: int = 2):
     with torch.cuda.graph(graph):
         outputs = fn()
     return graph.replay, outputs
+
+
+class GraphPool:
+    """CUDA graphs of fixed-shape steps, one per key, each replayed on copies of its inputs.
+
+    The key must pin everything the recorded kernels depend on besides the input values: shapes, and the
+    identity of any buffer the step reads or writes (a KV cache). Outputs are overwritten by the next replay
+    of the same key."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def run(self, key, fn, *inputs):
+        entry = self._entries.get(key)
+        if entry is None:
+            buffers = [x.clone() for x in inputs]
+            replay, outputs = capture_graph(lambda: fn(*buffers))  # its warm-up runs compute this very call
+            entry = self._entries[key] = (buffers, replay, outputs)
+        buffers, replay, outputs = entry
+        for buffer, x in zip(buffers, inputs):
+            buffer.copy_(x)
+        replay()
+        return outputs
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -365,6 +365,27 @@ def test_proposer_drafts_what_the_training_forward_predicts(tmp_path, fixture_ta
         proposer.propose(6)
 
 
+def test_block_over_the_whole_cache_drafts_what_the_written_prefix_drafts(tmp_path, fixture_target):
+    """The CUDA-graph layout (every step attends over the whole cache, masked past the row's length) gives the same
+    block as attending over the written slots only; stale slots past the length are never seen."""
+    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+
+    folder, _ = untrained_checkpoint(tmp_path / "d", fixture_target, learned_mask=True, block_size=6)
+    proposer = build_proposer(parse_spec_config({"method": "dflash", "model": str(folder),
+                                                 "num_speculative_tokens": 5}, "cpu"), fixture_target)
+    ids = torch.randint(10, 16000, (1, 12), generator=torch.Generator().manual_seed(1))
+    captured = fixture_target.capture(ids, aux_layer_ids=proposer.aux_layer_ids)
+    proposer.begin(ids[:, :6])
+    proposer.extend(ids[:, 1:7], captured.aux_hidden[:, :6])
+    proposer.cache.keys[:, :, :, 20:].normal_()  # stale entries, as rejected blocks of earlier steps leave them
+    proposer.cache.values[:, :, :, 20:].normal_()
+    with torch.no_grad():
+        prefix = proposer._block(proposer.last, proposer.lengths, proposer.bound + proposer.block_size)
+        whole = proposer._block(proposer.last, proposer.lengths, proposer.cache.max_length)
+    assert torch.equal(prefix[1], whole[1])
+    torch.testing.assert_close(prefix[0], whole[0])
+
+
 def test_k_beyond_the_block_and_mismatched_targets_are_refused(tmp_path, fixture_target, tiny_llama):
     from draftsmith.inference.spec_config import build_proposer, parse_spec_config
     from draftsmith.models.target import TargetModel

@@ -135,7 +135,10 @@ def test_tiny_sweep_writes_json_table_and_plots(tiny_llama, tmp_path):
     datasets = {"first": prompts[:2], "second": prompts[2:]}
     specs = expand_spec_configs(['{"method": "ngram", "prompt_lookup_max": 2}', '{"method": "suffix"}'],
                                 [1, 2], device_type="cpu")
-    sweep = run_sweep(target, NoTokenizer(), datasets, specs, max_new_tokens=10, progress=False)
+    seen = []  # what a long sweep could save after each config: (rows so far, complete flag)
+    sweep = run_sweep(target, NoTokenizer(), datasets, specs, max_new_tokens=10, progress=False,
+                      on_progress=lambda partial: seen.append((len(partial["results"]), partial["complete"])))
+    assert seen == [(n, False) for n in range(1, 9)] and sweep["complete"] is True
     add_recommendations(sweep, tie_tolerance=0.0)
 
     assert [(r["dataset"], r["label"], r["num_speculative_tokens"]) for r in sweep["results"]] == [

@@ -158,13 +158,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
     prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts) for name, path in paths.items()}
     target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device)
 
+    out = Path(args.out)
     sweep = run_sweep(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty(),
-                      sampling=sampling,
-                      dataset_paths={name: str(path) for name, path in paths.items()})
+                      sampling=sampling, dataset_paths={name: str(path) for name, path in paths.items()},
+                      on_progress=lambda partial: write_eval_json(partial, out / "eval.json", target))
     add_recommendations(sweep, tie_tolerance)
     report = format_report(sweep, target=args.target)
     print(report)
-    out = Path(args.out)
     written = [write_eval_json(sweep, out / "eval.json", target)]
     write_text_atomic(report + "\n", out / "eval.txt")
     written += [out / "eval.txt", *write_plots(sweep, out)]

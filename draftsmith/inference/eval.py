@@ -17,7 +17,7 @@ import math
 import platform
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -218,11 +218,13 @@ def _measure(target, spec: SpecConfig | None, prompts, max_new_tokens, eos, desc
 
 
 def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[SpecConfig], max_new_tokens: int,
-             progress: bool = True, sampling=None, desc: str = "") -> dict[str, Any]:
+             progress: bool = True, sampling=None, desc: str = "",
+             on_result: Callable[[dict, dict], None] | None = None) -> dict[str, Any]:
     """Plain decoding once, then every config over the same prompts; returns a JSON-ready dict.
 
     `sampling` (a `SamplingParams`; None = greedy) applies to the baseline and every config alike. Outputs are
-    compared with the baseline's only at temperature 0, where they must be equal.
+    compared with the baseline's only at temperature 0, where they must be equal. `on_result(baseline, row)` is
+    called after each config, so a caller can save what a long sweep has measured so far.
     """
     if not prompts:
         raise EvalError("no prompts to evaluate")
@@ -249,6 +251,8 @@ def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[Spe
             mismatched = [i for i, (a, b) in enumerate(zip(outputs, baseline_outputs)) if a != b]
             row.update(lossless_mismatches=len(mismatched), mismatched_prompts=mismatched)
         results.append(row)
+        if on_result is not None:
+            on_result(baseline, row)
     result = {
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -263,25 +267,34 @@ def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[Spe
 
 def run_sweep(target, tokenizer, datasets: Mapping[str, list[list[int]]], spec_configs: list[SpecConfig],
               max_new_tokens: int, progress: bool = True, sampling=None,
-              dataset_paths: Mapping[str, str] | None = None) -> dict[str, Any]:
+              dataset_paths: Mapping[str, str] | None = None,
+              on_progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """`run_eval` on every dataset; one JSON-ready dict with a flat `results` list (each row names its dataset).
 
-    Shape: {max_new_tokens, temperature, datasets: {name: {path, num_prompts, baseline}}, results: [row, ...]},
-    a row as in `run_eval` plus "dataset".
+    Shape: {max_new_tokens, temperature, datasets: {name: {path, num_prompts, baseline}}, results: [row, ...],
+    complete}, a row as in `run_eval` plus "dataset". `on_progress(sweep)` sees the sweep after every config,
+    with complete=False until the last one.
     """
     if not datasets:
         raise EvalError("no dataset to evaluate")
     if not spec_configs:
         raise EvalError("no speculative config to evaluate")
-    sweep: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "datasets": {}, "results": []}
+    sweep: dict[str, Any] = {"max_new_tokens": max_new_tokens,
+                             "temperature": float(getattr(sampling, "temperature", 0.0)), "datasets": {},
+                             "results": [], "complete": False}
+    if sampling is not None and hasattr(sampling, "to_dict"):
+        sweep["sampling"] = sampling.to_dict()
     for name, prompts in datasets.items():
-        one = run_eval(target, tokenizer, prompts, spec_configs, max_new_tokens, progress, sampling, desc=name)
-        sweep["temperature"] = one["temperature"]
-        if "sampling" in one:
-            sweep["sampling"] = one["sampling"]
-        sweep["datasets"][name] = {"path": (dataset_paths or {}).get(name), "num_prompts": one["num_prompts"],
-                                   "baseline": one["baseline"]}
-        sweep["results"].extend({"dataset": name, **row} for row in one["results"])
+        def record(baseline, row, name=name, prompts=prompts):
+            sweep["datasets"][name] = {"path": (dataset_paths or {}).get(name), "num_prompts": len(prompts),
+                                       "baseline": baseline}
+            sweep["results"].append({"dataset": name, **row})
+            if on_progress is not None:
+                on_progress(sweep)
+
+        run_eval(target, tokenizer, prompts, spec_configs, max_new_tokens, progress, sampling, desc=name,
+                 on_result=record)
+    sweep["complete"] = True
     return sweep
 
 

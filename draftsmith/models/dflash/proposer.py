@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith import device as dev
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.dflash.config import DflashConfigError
 from draftsmith.models.dflash.model import DflashDrafter, load_drafter
@@ -36,6 +37,8 @@ class DflashProposer:
         self.lengths: torch.Tensor | None = None  # (B,) context positions cached per row (p_b)
         self.bound = 0  # host-side upper bound of max(lengths)
         self.last: torch.Tensor | None = None  # (B, 1) token at each row's newest committed position
+        self._graphs_on = dev.graphs_supported(self.device)
+        self._graph = None  # (cache id, last buffer, lengths buffer, replay, (scores, tokens)) for one request
 
     @classmethod
     def from_config(cls, spec, target) -> "DflashProposer":
@@ -59,7 +62,11 @@ class DflashProposer:
     def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
         """Drafts are argmax (one-hot), lossless at any temperature: the sampler is not needed."""
         batch, width = prompt_ids.shape
-        self.cache = self.drafter.new_cache(batch, max(INITIAL_CACHE_LENGTH, 2 * width), self.dtype, self.device)
+        length = max(INITIAL_CACHE_LENGTH, 2 * width)
+        reusable = (self._graphs_on and self.cache is not None and self.cache.keys.shape[1] == batch
+                    and self.cache.max_length >= length)
+        if not reusable:  # a kept cache keeps the graph recorded on it valid across requests
+            self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.bound = 0
         self.last = prompt_ids[:, :1].to(self.device)  # replaced by the prefill's extend
@@ -102,14 +109,34 @@ class DflashProposer:
             return Proposal.empty(batch, self.device)
         if num_tokens > self.block_size - 1:
             raise ValueError(f"DFlash drafts at most block_size - 1 = {self.block_size - 1} tokens, asked {num_tokens}")
-        key_length = self.bound + self.block_size
-        self._ensure_capacity(key_length)
+        self._ensure_capacity(self.bound + self.block_size)
+        if self._graphs_on and batch == 1:
+            scores, token_ids = self._graphed_block()
+        else:
+            scores, token_ids = self._block(self.last, self.lengths, self.bound + self.block_size)
+        scores, token_ids = scores[:, :num_tokens], token_ids[:, :num_tokens]
+        lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
+        return Proposal(token_ids=token_ids, lengths=lengths, scores=scores)
+
+    def _block(self, last: torch.Tensor, lengths: torch.Tensor, key_length: int):
+        """Log-probs and argmax (B, B_k-1) of every mask slot of the block [last, mask x (B_k-1)] per row."""
         mask_embed = None
         if not self.drafter.config.learned_mask:
             mask_embed = self.embed_tokens.weight[self.drafter.config.mask_token_id]
-        block = self.drafter.block_inputs(self.embed_tokens(self.last), mask_embed)  # (B, B_k, H)
-        hidden = self.drafter.draft_block(block, self.cache, self.lengths, key_length)[:, 1:num_tokens + 1]
-        logprobs = torch.log_softmax(self.lm_head(hidden).float(), dim=-1)  # (B, k, V) slots 1..k
-        scores, token_ids = logprobs.max(dim=-1)
-        lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
-        return Proposal(token_ids=token_ids, lengths=lengths, scores=scores)
+        block = self.drafter.block_inputs(self.embed_tokens(last), mask_embed)  # (B, B_k, H)
+        hidden = self.drafter.draft_block(block, self.cache, lengths, key_length)[:, 1:]  # slots 1..B_k-1
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1).max(dim=-1)
+
+    def _graphed_block(self):
+        """`_block` of one request replayed as one CUDA graph: attending over the whole cache (masked past the
+        row's length) gives every step the same shapes, so the whole drafter pass costs one launch."""
+        if self._graph is None or self._graph[0] != id(self.cache):
+            last, lengths = self.last.clone(), self.lengths.clone()
+            cache = self.cache
+            replay, outputs = dev.capture_graph(lambda: self._block(last, lengths, cache.max_length))
+            self._graph = (id(cache), last, lengths, replay, outputs)
+        _, last, lengths, replay, (scores, token_ids) = self._graph
+        last.copy_(self.last)
+        lengths.copy_(self.lengths)
+        replay()
+        return scores.clone(), token_ids.clone()

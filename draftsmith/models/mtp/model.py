@@ -179,15 +179,29 @@ class MtpDrafter(nn.Module):
         cos, sin = self.rotary_emb(x, position_ids)
         return cached_decoder_layer(layer.block, x, cos.unsqueeze(1), sin.unsqueeze(1), cache)
 
+    def step_static(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
+                    start: torch.Tensor) -> torch.Tensor:
+        """`step` of one request (B = 1) at positions start..start+T-1, `start` a (1,) tensor, with shapes that do
+        not depend on the cache length (CUDA graphs). Leaves cache.length alone: slots past the caller's new
+        length are stale and masked by position."""
+        t = embeds.shape[1]
+        position_ids = start[:, None] + torch.arange(t, device=embeds.device)  # (1, T)
+        layer = self.layer_for_depth(depth)
+        x = layer.fuse(self._embeds_at(embeds, position_ids), hidden)  # (1, T, H)
+        cos, sin = self.rotary_emb(x, position_ids)
+        return cached_decoder_layer(layer.block, x, cos.unsqueeze(1), sin.unsqueeze(1), cache, position_ids[0])
+
 
 def cached_decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         cache: KVCache) -> torch.Tensor:
+                         cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
     """A Llama-family decoder layer over a one-layer KV cache (the same math as TargetModel.step).
 
-    x (B, T, H) at positions cache.length..; cos/sin (B, 1, T, hd). Appends K/V and advances the cache.
+    x (B, T, H); cos/sin (B, 1, T, hd). Without `positions`: x sits at cache.length.., its K/V are appended and
+    the cache advances. With `positions` (T,) long, the shape-static form for CUDA graphs: K/V are written at
+    those slots, every query attends over the whole cache masked by position, and cache.length is the
+    caller's to set.
     """
     b, t, _ = x.shape
-    start, end = cache.length, cache.length + t
     attn = block.self_attn
     hd = attn.head_dim
     h = block.input_layernorm(x)
@@ -199,15 +213,23 @@ def cached_decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, s
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    cache.keys[0, :, :, start:end] = k
-    cache.values[0, :, :, start:end] = v
-    mask = None
-    if t > 1:
-        mask = (torch.arange(end, device=x.device)[None, :]
-                <= torch.arange(start, end, device=x.device)[:, None])[None, None]  # (1, 1, T, end)
-    out = attend(q, cache.keys[0, :, :, :end], cache.values[0, :, :, :end], mask,
-                 scale=getattr(attn, "scaling", hd ** -0.5))  # (B, h, T, hd)
-    cache.length = end
+    if positions is None:
+        start, end = cache.length, cache.length + t
+        cache.keys[0, :, :, start:end] = k
+        cache.values[0, :, :, start:end] = v
+        keys, values = cache.keys[0, :, :, :end], cache.values[0, :, :, :end]
+        mask = None
+        if t > 1:
+            mask = (torch.arange(end, device=x.device)[None, :]
+                    <= torch.arange(start, end, device=x.device)[:, None])[None, None]  # (1, 1, T, end)
+        cache.length = end
+    else:
+        cache.keys[0].index_copy_(2, positions, k)
+        cache.values[0].index_copy_(2, positions, v)
+        keys, values = cache.keys[0], cache.values[0]
+        key_pos = torch.arange(cache.max_length, device=x.device)
+        mask = (key_pos[None, :] <= positions[:, None])[None, None]  # (1, 1, T, T_max)
+    out = attend(q, keys, values, mask, scale=getattr(attn, "scaling", hd ** -0.5))  # (B, h, T, hd)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
     return x + block.mlp(block.post_attention_layernorm(x))
 

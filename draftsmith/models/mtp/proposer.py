@@ -23,9 +23,11 @@ Engines differ past depth 1: vLLM and SGLang run depth d+1 at the *next* positio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from draftsmith import device as dev
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.mtp.io import load_mtp_drafter
 from draftsmith.models.mtp.model import MtpDrafter
@@ -52,6 +54,9 @@ class MtpProposer:
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.rows: list[_Row] = []
+        self._graphs_on = dev.graphs_supported(self.device)
+        self._graphs = dev.GraphPool()  # one request: (depth, positions run, cache id) -> graph of one depth
+        self._kept_caches: list[KVCache] = []  # one request's per-depth caches, kept so the graphs stay valid
 
     @classmethod
     def from_config(cls, spec, target) -> "MtpProposer":
@@ -76,9 +81,17 @@ class MtpProposer:
         length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
         hidden = self.drafter.config.hidden_size
         self.rows = []
+        single = self._graphs_on and prompt_ids.shape[0] == 1
+        if single and not (self._kept_caches and self._kept_caches[0].max_length >= length):
+            self._graphs.clear()
+            self._kept_caches = [self.drafter.new_cache(1, length, self.dtype, self.device)
+                                 for _ in range(self.num_depths)]
+        for cache in self._kept_caches if single else []:
+            cache.length = 0
         for row in prompt_ids.to(self.device, torch.long):
             self.rows.append(_Row(
-                caches=[self.drafter.new_cache(1, length, self.dtype, self.device) for _ in range(self.num_depths)],
+                caches=list(self._kept_caches) if single else
+                [self.drafter.new_cache(1, length, self.dtype, self.device) for _ in range(self.num_depths)],
                 committed=[0] * self.num_depths,
                 pending=[torch.empty(1, 0, hidden, dtype=self.dtype, device=self.device)
                          for _ in range(self.num_depths + 1)],
@@ -118,22 +131,44 @@ class MtpProposer:
             start = row.committed[depth - 1]
             hidden = torch.cat([row.pending[depth - 1], speculative], dim=1)  # h^{d-1} at start..p-1
             assert hidden.shape[1] == p - start, (depth, hidden.shape, p, start)
-            embeds = self.embed_tokens(sequence[:, start + depth: p + depth])  # embed(t_{i+d}), (1, p-start, H)
+            tokens = sequence[:, start + depth: p + depth]  # t_{i+d} for i in start..p-1
             row.caches[depth - 1].rollback(start)
             cache = row.ensure_capacity(depth, p, self.drafter)
-            out = self.drafter.step(depth, embeds, hidden, cache)  # h^d at start..p-1
+            out, score, token = self._depth(depth, tokens, hidden, cache, start)  # h^d at start..p-1, its draft
             done = max(0, p - depth + 1 - start)  # positions start..p-d use committed tokens only: keep them
             row.pending[depth] = torch.cat([row.pending[depth], out[:, :done]], dim=1)
             row.pending[depth - 1] = row.pending[depth - 1][:, done:]
             row.committed[depth - 1] = start + done
             speculative = out[:, done:]
-            layer = self.drafter.layer_for_depth(depth)
-            logits = self.lm_head(layer.head_norm(out[:, -1:]))[:, -1].float()  # (1, V) at p-1: predicts t_{p+d}
-            score, token = torch.log_softmax(logits, dim=-1).max(dim=-1)
             drafts.append(token)
             scores.append(score)
             sequence = torch.cat([sequence, token[:, None]], dim=1)
         return torch.stack(drafts, dim=1), torch.stack(scores, dim=1)
+
+    def _depth(self, depth: int, tokens, hidden, cache: KVCache, start: int):
+        """Depth `depth` over positions start.. (tokens (1, T) = t_{i+d}, hidden (1, T, H) = h^{d-1}): h^d (1, T, H)
+        and the draft its last position reads (log-prob (1,), id (1,)). One request on CUDA replays a graph per
+        (depth, T): the eager form launches a few hundred small kernels per depth."""
+        if not (self._graphs_on and len(self.rows) == 1):
+            return self._depth_eager(depth, tokens, hidden, cache)
+        starts = torch.full((1,), start, dtype=torch.long, device=self.device)
+        key = (depth, tokens.shape[1], id(cache))
+        out, score, token = self._graphs.run(key, partial(self._depth_static, depth, cache), tokens, hidden, starts)
+        cache.length = start + tokens.shape[1]
+        return out.clone(), score.clone(), token.clone()
+
+    def _depth_eager(self, depth, tokens, hidden, cache):
+        out = self.drafter.step(depth, self.embed_tokens(tokens), hidden, cache)
+        return (out, *self._read_draft(depth, out))
+
+    def _depth_static(self, depth, cache, tokens, hidden, starts):
+        out = self.drafter.step_static(depth, self.embed_tokens(tokens), hidden, cache, starts)
+        return (out, *self._read_draft(depth, out))
+
+    def _read_draft(self, depth: int, out):
+        """(log-prob (1,), id (1,)) of the argmax at the last position: lm_head(head_norm(h^d_{p-1})) predicts t_{p+d}."""
+        logits = self.lm_head(self.drafter.layer_for_depth(depth).head_norm(out[:, -1:]))[:, -1].float()
+        return torch.log_softmax(logits, dim=-1).max(dim=-1)
 
 
 @dataclass

@@ -1,0 +1,108 @@
+"""The CUDA-graph code paths, run on the CPU with a stand-in recorder whose replay re-runs the step into the
+recorded output tensors: the shape-static steps, the buffers, the pooled caches kept across requests and the
+graph keys must give token-for-token the eager outputs (tests/test_gpu.py runs real graphs on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith import device as dev
+from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+from draftsmith.models.target import TargetModel
+
+
+def _tensors(outputs):
+    return [o for o in (outputs if isinstance(outputs, tuple) else (outputs,)) if o is not None]
+
+
+def stand_in_capture(fn, warmup: int = 2):
+    outputs = fn()
+
+    def replay():
+        for recorded, fresh in zip(_tensors(outputs), _tensors(fn())):
+            recorded.copy_(fresh)
+
+    return replay, outputs
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch):
+    """Turn the graph paths on, on the CPU; yields the list of captures made."""
+    captures = []
+
+    def capture(fn, warmup=2):
+        captures.append(fn)
+        return stand_in_capture(fn, warmup)
+
+    monkeypatch.setattr(dev, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(dev, "capture_graph", capture)
+    return captures
+
+
+def _drafter(method, folder, target):
+    """A drafter folder whose weights are noisy enough that its drafts depend on every input (a freshly
+    initialised DFlash drafter drafts nearly the same block wherever it stands)."""
+    from safetensors.torch import load_file, save_file
+
+    if method == "eagle3":
+        from test_eagle3_runtime import untrained_checkpoint
+
+        folder = untrained_checkpoint(folder, target)[0]
+    elif method == "dflash":
+        from test_dflash import untrained_checkpoint
+
+        folder = untrained_checkpoint(folder, target, learned_mask=True)[0]
+    else:
+        from test_mtp import random_drafter, save_checkpoint
+
+        folder = save_checkpoint(random_drafter(target, num_depths=3), folder)
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    noise = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            tensors[name] = t + 0.2 * torch.randn(t.shape, generator=noise)
+    save_file(tensors, weights)
+    return folder
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_graph_paths_decode_what_the_eager_paths_decode(method, tmp_path, fixture_target_dir, mt_bench_path,
+                                                        recorded_graphs):
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+
+    with pytest.MonkeyPatch.context() as eager_only:
+        eager_only.setattr(dev, "graphs_supported", lambda device: False)
+        eager_target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    graphed_target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    assert graphed_target._graphs_on and not eager_target._graphs_on
+    folder = _drafter(method, tmp_path / method, graphed_target)
+    spec = parse_spec_config({"method": method, "model": str(folder), "num_speculative_tokens": 3}, "cpu")
+    graphed = SpeculativeGenerator(graphed_target, build_proposer(spec, graphed_target), 3)
+    with pytest.MonkeyPatch.context() as eager_only:
+        eager_only.setattr(dev, "graphs_supported", lambda device: False)
+        eager = SpeculativeGenerator(eager_target, build_proposer(spec, eager_target), 3)
+    plain = SpeculativeGenerator(eager_target, None, 0)
+    drafts = {"graphed": [], "eager": []}  # every proposal: untrained drafters are rarely accepted, so outputs and
+    for name, generator in (("graphed", graphed), ("eager", eager)):  # metrics alone would hide wrong drafts
+        def recording(num_tokens, propose=generator.proposer.propose, seen=drafts[name]):
+            proposal = propose(num_tokens)
+            seen.append(proposal.token_ids.tolist())
+            return proposal
+
+        generator.proposer.propose = recording
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    for ids in load_prompts(mt_bench_path, tokenizer, limit=2):  # two requests: pooled caches are reused
+        prompt = torch.tensor([ids])
+        a, b = graphed.generate(prompt, 24), eager.generate(prompt, 24)
+        assert a.token_ids == b.token_ids == plain.generate(prompt, 24).token_ids
+        assert a.metrics.to_dict() == b.metrics.to_dict()
+    assert drafts["graphed"] == drafts["eager"] and len(drafts["eager"]) > 10
+    captured = len(recorded_graphs)
+    assert graphed_target._graphs and captured > len(graphed_target._graphs), "the proposer recorded no graph"
+    graphed.generate(torch.tensor([load_prompts(mt_bench_path, tokenizer, limit=1)[0]]), 24)
+    assert len(recorded_graphs) == captured, "a repeated request recorded its graphs again"
