@@ -18,6 +18,9 @@ from draftsmith.inference.sampling import Sampler
 
 # Fills `Proposal.token_ids` past a row's valid length. Not a vocabulary id, so it can never be accepted.
 PAD_DRAFT_TOKEN = -1
+# Drafter steps of one request at most this wide replay as CUDA graphs (one per width); wider ones (the first
+# extend after a prompt, whose width is the prompt's length) run eagerly rather than record a graph per prompt.
+MAX_GRAPHED_DRAFT_WIDTH = 16
 # `Proposal.parents` entry of a tree node that continues the committed context directly.
 ROOT_PARENT = -1
 

@@ -14,10 +14,12 @@ extend's full width) to size the cache and the slice of it that is read, so no s
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.dflash.config import DflashConfigError
 from draftsmith.models.dflash.model import DflashDrafter, load_drafter
 from draftsmith.models.target import KVCache
@@ -39,6 +41,7 @@ class DflashProposer:
         self.last: torch.Tensor | None = None  # (B, 1) token at each row's newest committed position
         self._graphs_on = dev.graphs_supported(self.device)
         self._graph = None  # (cache id, last buffer, lengths buffer, replay, (scores, tokens)) for one request
+        self._extend_graphs = dev.GraphPool()  # one request: (width, cache id) -> graph of extend_context
 
     @classmethod
     def from_config(cls, spec, target) -> "DflashProposer":
@@ -94,9 +97,12 @@ class DflashProposer:
         self._ensure_capacity(self.bound + n + self.block_size)
         token_ids = token_ids.to(self.device)
         counts = (token_ids != PAD_DRAFT_TOKEN).sum(dim=1)  # (B,) committed tokens per row
-        positions = self.lengths[:, None] + torch.arange(n, device=self.device)  # (B, n) p_b .. p_b+n-1
-        # Padding columns write past the row's new length: slots the next extend or block overwrites.
-        self.drafter.extend_context(aux_hidden.to(self.dtype), self.cache, positions)
+        aux_hidden = aux_hidden.to(self.dtype)
+        if self._graphs_on and token_ids.shape[0] == 1 and n <= MAX_GRAPHED_DRAFT_WIDTH:
+            self._extend_graphs.run((n, id(self.cache)), partial(self._extend_context, self.cache), aux_hidden,
+                                    self.lengths)
+        else:
+            self._extend_context(self.cache, aux_hidden, self.lengths)
         newest = token_ids.gather(1, (counts - 1).clamp(min=0)[:, None])  # (B, 1) the token at p_b + count
         self.last = torch.where(counts[:, None] > 0, newest, self.last)
         self.lengths = self.lengths + counts
@@ -117,6 +123,12 @@ class DflashProposer:
         scores, token_ids = scores[:, :num_tokens], token_ids[:, :num_tokens]
         lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
         return Proposal(token_ids=token_ids, lengths=lengths, scores=scores)
+
+    def _extend_context(self, cache, aux_hidden, lengths):
+        """Context K/V of the n new positions of each row, p_b .. p_b+n-1. Padding columns of a batch write past
+        the row's new length: slots the next extend or block overwrites."""
+        positions = lengths[:, None] + torch.arange(aux_hidden.shape[1], device=self.device)  # (B, n)
+        self.drafter.extend_context(aux_hidden, cache, positions)
 
     def _block(self, last: torch.Tensor, lengths: torch.Tensor, key_length: int):
         """Log-probs and argmax (B, B_k-1) of every mask slot of the block [last, mask x (B_k-1)] per row."""

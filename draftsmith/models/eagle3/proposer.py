@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
+from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
 from draftsmith.inference.sampling import Sampler
 from draftsmith.inference.tree import causal_mask, dynamic_tree, parse_token_tree, static_tree, step_attention_mask
 from draftsmith.models.eagle3.io import load_drafter
@@ -64,6 +64,7 @@ class Eagle3Proposer:
         self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
         self._graphs_on = dev.graphs_supported(self.device)
         self._graphs: dict = {}  # (k, cache id) -> (hidden buffer, start buffer, replay, outputs)
+        self._extend_graphs = dev.GraphPool()  # one request: (width, cache id) -> graph of the extend step
 
     @classmethod
     def from_config(cls, spec, target) -> "Eagle3Proposer":
@@ -93,6 +94,7 @@ class Eagle3Proposer:
             self.cache.length = 0
         else:
             self._graphs.clear()
+            self._extend_graphs.clear()
             self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
         self.committed = 0
         self.next_hidden = None
@@ -111,6 +113,7 @@ class Eagle3Proposer:
         bigger.length = self.cache.length
         self.cache = bigger
         self._graphs.clear()  # recorded on the old cache's memory
+        self._extend_graphs.clear()
         if self.valid is not None:
             grown = torch.zeros(self.valid.shape[0], length, dtype=torch.bool, device=self.device)
             grown[:, : self.valid.shape[1]] = self.valid
@@ -136,6 +139,15 @@ class Eagle3Proposer:
         self.cache.rollback(self.committed)  # drop the speculative slots of the last draft
         batch, n = token_ids.shape
         self._ensure_capacity(self.committed + n + 1)
+        if not self.ragged and self._graphs_on and n <= MAX_GRAPHED_DRAFT_WIDTH:
+            start = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
+            out = self._extend_graphs.run((n, id(self.cache)), self._extend_static, token_ids,
+                                          aux_hidden.to(self.dtype), start)
+            self.next_hidden = out[:, -1:].clone()
+            self.positions += n
+            self.cache.length = self.committed + n
+            self.committed = self.cache.length
+            return
         fused = self.drafter.fc(aux_hidden.to(self.dtype))  # (B, n, H)
         if not self.ragged:
             out = self._run(token_ids, fused, None, None)  # (B, n, H)
@@ -153,6 +165,12 @@ class Eagle3Proposer:
             self.valid[:, self.committed: self.committed + n] = real
             self.positions += counts
         self.committed = self.cache.length
+
+    def _extend_static(self, token_ids, aux_hidden, start):
+        """The extend step of one request with fixed shapes (CUDA graphs): pairs at positions start..start+n-1."""
+        positions = start + torch.arange(token_ids.shape[1], device=self.device)  # (1, n)
+        embeds = self.embed_tokens(token_ids.clamp_min(0))
+        return self.drafter.step_static(embeds, self.drafter.fc(aux_hidden), self.cache, positions)
 
     # ---- drafting -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -28,7 +28,7 @@ from functools import partial
 import torch
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.mtp.io import load_mtp_drafter
 from draftsmith.models.mtp.model import MtpDrafter
 from draftsmith.models.target import KVCache
@@ -149,7 +149,7 @@ class MtpProposer:
         """Depth `depth` over positions start.. (tokens (1, T) = t_{i+d}, hidden (1, T, H) = h^{d-1}): h^d (1, T, H)
         and the draft its last position reads (log-prob (1,), id (1,)). One request on CUDA replays a graph per
         (depth, T): the eager form launches a few hundred small kernels per depth."""
-        if not (self._graphs_on and len(self.rows) == 1):
+        if not (self._graphs_on and len(self.rows) == 1 and tokens.shape[1] <= MAX_GRAPHED_DRAFT_WIDTH):
             return self._depth_eager(depth, tokens, hidden, cache)
         starts = torch.full((1,), start, dtype=torch.long, device=self.device)
         key = (depth, tokens.shape[1], id(cache))
