@@ -1,0 +1,113 @@
+"""Plain decoding of a Llama-3.1-8B-shaped target with random bf16 weights: draftsmith's runtime against
+Hugging Face `generate` in one process, against the bound of reading every weight once per token, plus the cost
+of a verification step of width T = k + 1 relative to a one-token step (what the ideal speedup assumes).
+
+    python benchmarks/decode_8b_shape.py --out decode_8b_shape.json [--layers 32]
+
+Needs an accelerator with about 20 GB free. Random weights make the output meaningless but not the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import device as dev
+from draftsmith.inference.eval import run_info
+from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.models.target import TargetModel
+
+LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                   tie_word_embeddings=False)
+
+
+def copy_bandwidth(device, gigabytes: float = 2.0) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
+    src = torch.empty(int(gigabytes * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    dev.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    dev.synchronize(device)
+    return 2 * src.numel() * src.element_size() * 10 / (time.perf_counter() - start)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--hf-new-tokens", type=int, default=64)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    device = dev.get_device()
+    config = LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": args.layers})
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    target = TargetModel(model, name_or_path=f"random Llama-3.1-8B shape ({args.layers} layers)")
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    bandwidth = copy_bandwidth(device)
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    report = {**run_info(target, sys.argv), "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
+              "bound_tokens_per_s": bandwidth / weight_bytes}
+
+    plain = SpeculativeGenerator(target, None, 0)
+    plain.generate(prompt, 8)  # warm-up: graph capture
+    result = plain.generate(prompt, args.new_tokens)
+    report["draftsmith"] = {"tokens": len(result.token_ids), "seconds": result.seconds,
+                            "tokens_per_second": len(result.token_ids) / result.seconds}
+
+    ids = prompt.to(device)
+    model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+    dev.synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=args.hf_new_tokens, min_new_tokens=args.hf_new_tokens, do_sample=False)
+    dev.synchronize(device)
+    seconds = time.perf_counter() - start
+    report["hf_generate"] = {"tokens": out.shape[1] - ids.shape[1], "seconds": seconds,
+                             "tokens_per_second": (out.shape[1] - ids.shape[1]) / seconds}
+
+    # One target step of width T over a cache of the prompt, for T = 1 .. 8 (k = 0 .. 7), graphed as decoding is.
+    cache = target.new_cache(1, args.prompt_tokens + 64)
+    with dev.runtime_attention():
+        target.step(ids, cache)
+        base = cache.length
+        step_ms = {}
+        for width in range(1, 9):
+            def step():
+                cache.rollback(base)
+                target.step(ids[:, :width], cache)
+            step()
+            dev.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                step()
+            dev.synchronize(device)
+            step_ms[width] = (time.perf_counter() - start) / 20 * 1e3
+    report["step_ms_by_width"] = step_ms
+    report["draftsmith"]["fraction_of_bound"] = report["draftsmith"]["tokens_per_second"] / report["bound_tokens_per_s"]
+    report["hf_generate"]["fraction_of_bound"] = report["hf_generate"]["tokens_per_second"] / report["bound_tokens_per_s"]
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"bound {report['bound_tokens_per_s']:.0f} tok/s")
+    for name in ("draftsmith", "hf_generate"):
+        r = report[name]
+        print(f"{name:12s} {r['tokens_per_second']:7.1f} tok/s  {100 * r['fraction_of_bound']:5.1f}% of the bound")
+    print("step ms by width: " + " ".join(f"T={w}:{ms:.2f}" for w, ms in step_ms.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
