@@ -5,7 +5,8 @@
 # the runtime issue while time is left. Suffix runs at vLLM's default length cap, its tree depth 24.
 # `draftsmith eval` saves eval.json after every config, so a run cut short keeps what it measured.
 #
-#   bash benchmarks/gpu_eval_fixture.sh        # inputs: .devdata/final/*.tar.xz (see benchmarks/README.md)
+#   bash benchmarks/gpu_eval_fixture.sh   # inputs: .fixture/ and the exported drafters in .devdata/, or their
+#                                         # xz tarballs in .devdata/final/ (benchmarks/README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
