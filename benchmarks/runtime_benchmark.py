@@ -21,6 +21,7 @@ import torch
 
 from draftsmith import device as dev
 from draftsmith.inference.eval import load_prompts, run_info, run_sweep
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.report import write_plots
 from draftsmith.inference.sampling import SamplingParams
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
@@ -59,8 +60,10 @@ def hf_generate(target: TargetModel, prompts, max_new_tokens, temperature, eos, 
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
+@dev.runtime_attention()
 def draft_cost_ratio(target: TargetModel, drafter: str, prompt, k: int) -> dict[str, float]:
-    """c = per-token cost of the drafter chain / cost of one plain target step, both timed here."""
+    """c = per-token cost of the drafter chain / cost of one plain target step, both timed here (attention
+    backends as in decoding)."""
     spec = parse_spec_config({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
     proposer = build_proposer(spec, target)
     ids = torch.tensor([prompt], device=target.device)
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    p.add_argument("--hf-num-prompts", type=int, default=16, help="prompts for Hugging Face generate (slow)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -128,10 +132,15 @@ def main(argv=None) -> int:
                 ideal = tau / (1 + k * report["cost_ratio"][k]["c"])
                 row["ideal_speedup"] = ideal
                 row["fraction_of_ideal"] = row["speedup"] / ideal
+        hf_prompts = prompts[: args.hf_num_prompts]  # HF generate is slow: a subset, with our plain decoding on it
+        ours = [SpeculativeGenerator(target, None, 0).generate(torch.tensor([ids]), args.max_new_tokens, eos,
+                                                                sampling=sampling) for ids in hf_prompts]
         sweep["hf_generate"] = {
-            "plain": hf_generate(target, prompts, args.max_new_tokens, temperature, eos, None),
-            "prompt_lookup_k3": hf_generate(target, prompts, args.max_new_tokens, temperature, eos, 3),
-            "draftsmith_plain_tokens_per_second": base,
+            "num_prompts": len(hf_prompts),
+            "plain": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, None),
+            "prompt_lookup_k3": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, 3),
+            "draftsmith_plain_tokens_per_second": sum(len(r.token_ids) for r in ours) / sum(r.seconds for r in ours),
+            "draftsmith_plain_tokens_per_second_all_prompts": base,
         }
         report["runs"][f"temperature_{temperature:g}"] = sweep
         write_plots(sweep, out / f"t{temperature:g}")
