@@ -15,7 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from draftsmith import device as dev
 from draftsmith.inference.eval import eos_token_ids, load_prompts, run_info

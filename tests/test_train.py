@@ -52,7 +52,7 @@ def test_resume_continues_exactly(tmp_path, fixture_target_dir, monkeypatch):
     real_save = trainer_mod.save_checkpoint
 
     def save_then_die(*args, **kwargs):
-        path = real_save(*args, **kwargs)
+        real_save(*args, **kwargs)
         raise KeyboardInterrupt  # killed right after the step-3 checkpoint landed
 
     monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)

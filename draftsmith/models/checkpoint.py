@@ -126,6 +126,31 @@ def read_optional_json(path: Path) -> Any | None:
     return read_json(path) if path.is_file() else None
 
 
+@dataclass
+class CardInputs:
+    """What a checkpoint folder says about itself for an export's model card."""
+
+    step: int | None  # training step (trainer_state.json), None when unknown
+    eval_result: dict[str, Any] | None  # eval.json written by training, when readable
+    recipe_text: str | None  # recipe.yaml as saved with the checkpoint
+    warnings: list[str] = field(default_factory=list)  # what could not be read (the export still goes ahead)
+
+
+def read_card_inputs(ckpt: Path) -> CardInputs:
+    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
+    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+    warnings = []
+    try:
+        eval_result = read_optional_json(ckpt / EVAL_FILE)
+    except CheckpointError as e:
+        eval_result = None
+        warnings.append(f"eval result not shown in the model card: {e}")
+    recipe_path = ckpt / RECIPE_FILE
+    recipe_text = recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None
+    return CardInputs(step=step, eval_result=eval_result if isinstance(eval_result, dict) else None,
+                      recipe_text=recipe_text, warnings=warnings)
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config dict, state dict) of a checkpoint folder or of an output_dir's newest checkpoint, on CPU."""
     ckpt = resolve_checkpoint(path)

@@ -10,6 +10,18 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
+def is_int(x: Any) -> bool:
+    """An int in a JSON config, not a bool (which Python counts as an int)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) as transformers 4 and older engines read them; scaling is None for plain RoPE."""
+    theta = float(rope_parameters.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    return theta, scaling if scaling.get("rope_type", "default") != "default" else None
+
+
 def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
     """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
     params = getattr(target, "rope_parameters", None)

@@ -28,18 +28,14 @@ import torch
 
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
-    EVAL_FILE,
-    RECIPE_FILE,
-    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
-    CheckpointError,
     ExportError,
     ExportResult,
     atomic_output_dir,
     check_output_dir,
     draftsmith_version,
     load_checkpoint,
-    read_optional_json,
+    read_card_inputs,
     resolve_checkpoint,
     save_safetensors_atomic,
     write_json_atomic,
@@ -47,6 +43,7 @@ from draftsmith.models.checkpoint import (
 )
 from draftsmith.models.dflash.config import METHOD, DflashConfigError, DflashDrafterConfig
 from draftsmith.models.dflash.model import MASK_EMBEDDING_FILE
+from draftsmith.models.drafter_config import is_int, legacy_rope
 from draftsmith.models.model_card import render_model_card
 
 ARCHITECTURE = "DFlashDraftModel"  # vLLM: qwen3_dflash.DFlashQwen3ForCausalLM; SGLang: models/dflash.py
@@ -58,22 +55,11 @@ _REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "nu
                   "vocab_size", "num_hidden_layers", "block_size", "num_target_layers", "max_position_embeddings")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) as transformers 4 and older engines read them; scaling is None for plain RoPE."""
-    theta = float(rope_parameters.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    return theta, scaling if scaling.get("rope_type", "default") != "default" else None
-
-
 # ---- config ------------------------------------------------------------------------------------------------
 def export_config(config: DflashDrafterConfig, step: int | None = None) -> dict[str, Any]:
     """The Qwen3-shaped `config.json` vLLM's and SGLang's DFlash loaders read."""
     rope = {"rope_type": "default", **config.rope_parameters}
-    rope_theta, rope_scaling = _legacy_rope(rope)
+    rope_theta, rope_scaling = legacy_rope(rope)
     rope["rope_theta"] = rope_theta
     n = config.num_hidden_layers
     return {
@@ -184,9 +170,9 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     for key in _REQUIRED_INTS:
         if key not in config:
             problems.append(f"config: missing {key}")
-        elif not _is_int(config[key]) or config[key] <= 0:
+        elif not is_int(config[key]) or config[key] <= 0:
             problems.append(f"config {key}: {config[key]!r}, expected a positive integer")
-    if _is_int(config.get("block_size")) and config["block_size"] < 2:
+    if is_int(config.get("block_size")) and config["block_size"] < 2:
         problems.append(f"config block_size: {config['block_size']}, expected >= 2 (the anchor and one mask)")
     if config.get("hidden_act") != "silu":
         problems.append(f"config hidden_act: {config.get('hidden_act')!r}; SGLang's DFlash supports only 'silu'")
@@ -199,13 +185,13 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         problems.append("config: missing dflash_config {target_layer_ids, mask_token_id}")
         return problems, warnings
     ids, depth = dflash.get("target_layer_ids"), config.get("num_target_layers")
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
         problems.append(f"config dflash_config.target_layer_ids: {ids!r}, expected a non-empty list of layer ids")
         return problems, warnings
     if any(b <= a for a, b in zip(ids, ids[1:])):
         problems.append(f"config dflash_config.target_layer_ids: {ids} must be strictly increasing "
                         "(engines concatenate features in layer order)")
-    if _is_int(depth) and any(not 0 <= i < depth for i in ids):
+    if is_int(depth) and any(not 0 <= i < depth for i in ids):
         problems.append(f"config dflash_config.target_layer_ids: {ids} outside 0..{depth - 1} "
                         f"(output of layer i of the {depth}-layer target)")
     aux = config.get(AUX_IDS_KEY)
@@ -213,7 +199,7 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         problems.append(f"config {AUX_IDS_KEY}: {aux!r}, expected {[i + 1 for i in ids]} "
                         "(capture form of dflash_config.target_layer_ids)")
     mask_id, vocab = dflash.get("mask_token_id"), config.get("vocab_size")
-    if not _is_int(mask_id) or (_is_int(vocab) and not 0 <= mask_id < vocab):
+    if not is_int(mask_id) or (is_int(vocab) and not 0 <= mask_id < vocab):
         problems.append(f"config dflash_config.mask_token_id: {mask_id!r}, engines need a token id in the target "
                         "vocabulary to mark mask slots: train with dflash.mask_token_id set to an unused id")
     return problems, warnings
@@ -225,7 +211,7 @@ def check_dflash_export(
     """(problems, warnings) of a `--format dflash` config + tensors (+ mask embedding). Problems make it unloadable
     or wrong in an engine; an empty list means vLLM and SGLang load it."""
     problems, warnings = _check_config(config)
-    sizes_ok = all(_is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
+    sizes_ok = all(is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
     ids = (config.get("dflash_config") or {}).get("target_layer_ids") if isinstance(config.get("dflash_config"),
                                                                                    dict) else None
     if not sizes_ok or not isinstance(ids, list):
@@ -288,8 +274,8 @@ def export_dflash(
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
     cfg = _draftsmith_config(ckpt, raw)
-    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
-    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+    notes = read_card_inputs(ckpt)
+    step = notes.step
 
     config = export_config(cfg, step=step)
     # draftsmith adopted the engines' names: the key map is the identity
@@ -301,12 +287,7 @@ def export_dflash(
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as dflash: " + "; ".join(problems))
 
-    try:
-        eval_result = read_optional_json(ckpt / EVAL_FILE)
-    except CheckpointError as e:
-        eval_result, warnings = None, warnings + [f"eval result not shown in the model card: {e}"]
-    recipe_path = ckpt / RECIPE_FILE
-    recipe_text = recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None
+    warnings += notes.warnings
     target = cfg.target_name_or_path or "TARGET"
     commands = dflash_serve_commands(target, str(out_dir), cfg.block_size)
     ids = config["dflash_config"]["target_layer_ids"]
@@ -328,8 +309,8 @@ def export_dflash(
             ("capture: residual entering layer k = HF `output_hidden_states[k]`", AUX_IDS_KEY, config[AUX_IDS_KEY]),
         ],
         serve_commands=commands,
-        recipe_text=recipe_text,
-        eval_result=eval_result if isinstance(eval_result, dict) else None,
+        recipe_text=notes.recipe_text,
+        eval_result=notes.eval_result,
         version=config["draftsmith"]["version"],
     )
 

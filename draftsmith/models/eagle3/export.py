@@ -26,24 +26,21 @@ import torch
 
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
-    EVAL_FILE,
-    RECIPE_FILE,
-    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
-    CheckpointError,
     ExportError,
     ExportResult,
     atomic_output_dir,
     check_output_dir,
     draftsmith_version,
     load_checkpoint,
-    read_optional_json,
+    read_card_inputs,
     resolve_checkpoint,
     save_safetensors_atomic,
     write_json_atomic,
     write_text_atomic,
 )
 from draftsmith.models.eagle3.config import METHOD, Eagle3Config
+from draftsmith.models.drafter_config import is_int, legacy_rope
 from draftsmith.models.model_card import render_model_card
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's and SGLang's registries (engines.md §1.1, §3)
@@ -107,18 +104,11 @@ def output_of_layer_to_capture(ids: list[int]) -> list[int]:
 
 
 # ---- config ------------------------------------------------------------------------------------------------
-def _legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) as transformers 4 and older engines read them; scaling is None for plain RoPE."""
-    theta = float(rope_parameters.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    return theta, scaling if scaling.get("rope_type", "default") != "default" else None
-
-
 def native_config(config: Eagle3Config, step: int | None = None) -> dict[str, Any]:
     """The Llama-shaped `config.json` both engines read, with aux ids in each engine's convention."""
     capture_ids = list(config.aux_layer_ids)
     rope = {"rope_type": "default", **config.rope_parameters}
-    rope_theta, rope_scaling = _legacy_rope(rope)
+    rope_theta, rope_scaling = legacy_rope(rope)
     rope["rope_theta"] = rope_theta
     return {
         "architectures": [ARCHITECTURE],
@@ -197,10 +187,6 @@ def expected_native_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int,
 
 
 # ---- validation --------------------------------------------------------------------------------------------
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     warnings: list[str] = []
@@ -213,7 +199,7 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     for key in _REQUIRED_INTS:
         if key not in config:
             problems.append(f"config: missing {key}")
-        elif not _is_int(config[key]) or config[key] <= 0:
+        elif not is_int(config[key]) or config[key] <= 0:
             problems.append(f"config {key}: {config[key]!r}, expected a positive integer")
     for key in ("rms_norm_eps", "hidden_act", "rope_theta", "rope_parameters"):
         if key not in config:
@@ -225,7 +211,7 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     if config.get("tie_word_embeddings") is not False:
         problems.append("config tie_word_embeddings: must be false (SGLang would use the embedding as lm_head)")
     vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
-    if _is_int(vocab) and _is_int(draft_vocab) and draft_vocab > vocab:
+    if is_int(vocab) and is_int(draft_vocab) and draft_vocab > vocab:
         problems.append(f"config draft_vocab_size {draft_vocab} > vocab_size {vocab}")
     if config.get("attention_bias") or config.get("mlp_bias"):
         warnings.append("the draft layer has biases; SGLang's LlamaForCausalLMEagle3 has none and drops them silently")
@@ -233,19 +219,19 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     provenance = config.get("draftsmith") or {}
     target_max_pos = provenance.get("target_max_position_embeddings")
     max_pos = config.get("max_position_embeddings")
-    if _is_int(target_max_pos) and _is_int(max_pos) and max_pos < target_max_pos:
+    if is_int(target_max_pos) and is_int(max_pos) and max_pos < target_max_pos:
         problems.append(f"config max_position_embeddings {max_pos} < the target's {target_max_pos}")
 
     ids = config.get(AUX_IDS_KEY)
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
         problems.append(f"config {AUX_IDS_KEY}: {ids!r}, expected a non-empty list of capture ids (vLLM convention)")
         return problems, warnings
     if any(b <= a for a, b in zip(ids, ids[1:])):
         problems.append(f"config {AUX_IDS_KEY}: {ids} must be strictly increasing (engines concatenate in layer order)")
     num_layers = provenance.get("num_target_layers")
-    if _is_int(num_layers) and any(i > num_layers for i in ids):
+    if is_int(num_layers) and any(i > num_layers for i in ids):
         problems.append(f"config {AUX_IDS_KEY}: {ids} exceed the target's {num_layers} layers")
-    elif _is_int(num_layers) and ids[-1] == num_layers:
+    elif is_int(num_layers) and ids[-1] == num_layers:
         warnings.append(f"aux id {num_layers} is the last layer's output; older vLLM only captures ids < {num_layers}")
     if len(ids) != ENGINE_AUX_LAYERS:
         warnings.append(f"{len(ids)} aux layers; vLLM's and SGLang's Llama EAGLE-3 expect {ENGINE_AUX_LAYERS}")
@@ -332,7 +318,7 @@ def check_state_dict(
 def check_native_eagle3(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """(problems, warnings) for a native EAGLE-3 config + state dict. Problems make an export unloadable or wrong."""
     problems, warnings = _check_config(config)
-    sizes_ok = all(_is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
+    sizes_ok = all(is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
     if not sizes_ok or not isinstance(config.get(AUX_IDS_KEY), list):
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
     return problems + check_state_dict(config, expected_native_shapes(config), tensors), warnings
@@ -386,8 +372,8 @@ def export_native_eagle3(
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
     cfg = _draftsmith_config(ckpt, raw)
-    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
-    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+    notes = read_card_inputs(ckpt)
+    step = notes.step
 
     try:
         config = native_config(cfg, step=step)
@@ -399,12 +385,7 @@ def export_native_eagle3(
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as native EAGLE-3: " + "; ".join(problems))
 
-    try:
-        eval_result = read_optional_json(ckpt / EVAL_FILE)
-    except CheckpointError as e:
-        eval_result, warnings = None, warnings + [f"eval result not shown in the model card: {e}"]
-    recipe_path = ckpt / RECIPE_FILE
-    recipe_text = recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None
+    warnings += notes.warnings
     target = cfg.target_name_or_path or "TARGET"
     commands = eagle3_serve_commands(target, str(out_dir))
     card = render_model_card(
@@ -425,8 +406,8 @@ def export_native_eagle3(
             ("output of layer i (SGLang)", f"eagle_config.{AUX_IDS_KEY}", config["eagle_config"][AUX_IDS_KEY]),
         ],
         serve_commands=commands,
-        recipe_text=recipe_text,
-        eval_result=eval_result if isinstance(eval_result, dict) else None,
+        recipe_text=notes.recipe_text,
+        eval_result=notes.eval_result,
         version=config["draftsmith"]["version"],
     )
 

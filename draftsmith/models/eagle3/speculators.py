@@ -35,9 +35,6 @@ import torch
 
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
-    EVAL_FILE,
-    RECIPE_FILE,
-    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     CheckpointError,
     ExportError,
@@ -46,6 +43,7 @@ from draftsmith.models.checkpoint import (
     check_output_dir,
     draftsmith_version,
     load_checkpoint,
+    read_card_inputs,
     read_optional_json,
     resolve_checkpoint,
     save_safetensors_atomic,
@@ -57,12 +55,12 @@ from draftsmith.models.eagle3.export import (
     AUX_IDS_KEY,
     NATIVE_KEY_MAP,
     NUM_SPECULATIVE_TOKENS,
-    _legacy_rope,
     check_state_dict,
     eagle3_serve_commands,
     expected_native_shapes,
 )
 from draftsmith.models.importer import IMPORT_FILE
+from draftsmith.models.drafter_config import is_int, legacy_rope
 from draftsmith.models.model_card import render_model_card
 
 SPECULATORS_MODEL_TYPE = "eagle3"
@@ -162,7 +160,7 @@ def load_target_embedding(target: str) -> tuple[torch.Tensor | None, str]:
 def transformer_layer_config(config: Eagle3Config) -> dict[str, Any]:
     """The draft layer as a Llama config: vLLM merges exactly this into the model config it builds."""
     rope = {"rope_type": "default", **config.rope_parameters}
-    rope_theta, rope_scaling = _legacy_rope(rope)
+    rope_theta, rope_scaling = legacy_rope(rope)
     rope["rope_theta"] = rope_theta
     return {
         "model_type": "llama",  # "qwen3" would make newer vLLM build q/k norms the draft layer does not have
@@ -254,10 +252,6 @@ def expected_speculators_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple
 
 
 # ---- validation --------------------------------------------------------------------------------------------
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 _LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "vocab_size", "max_position_embeddings")
 
@@ -273,7 +267,7 @@ def _check_speculators_block(spec: Any) -> list[str]:
         problems.append("config speculators_config.proposal_methods: expected a non-empty list of objects")
     else:
         k = methods[0].get("speculative_tokens")
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             problems.append(f"config speculators_config.proposal_methods[0].speculative_tokens: {k!r}, expected a "
                             "positive integer (vLLM's num_speculative_tokens)")
         types = [m.get("proposal_type") for m in methods]
@@ -308,7 +302,7 @@ def check_speculators(
         problems.append(f"config transformer_layer_config.num_hidden_layers: {layer.get('num_hidden_layers')!r}, "
                         "expected 1")
     for key in _LAYER_INTS:
-        if not _is_int(layer.get(key)) or layer[key] <= 0:
+        if not is_int(layer.get(key)) or layer[key] <= 0:
             problems.append(f"config transformer_layer_config.{key}: {layer.get(key)!r}, expected a positive integer")
     for key in ("rms_norm_eps", "hidden_act", "rope_parameters"):
         if key not in layer:
@@ -321,12 +315,12 @@ def check_speculators(
             problems.append(f"config {flag}: {config.get(flag)!r}, expected false, as draftsmith's drafter "
                             f"computes{why}")
     draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
-    if not _is_int(draft_vocab) or draft_vocab <= 0:
+    if not is_int(draft_vocab) or draft_vocab <= 0:
         problems.append(f"config draft_vocab_size: {draft_vocab!r}, expected a positive integer")
-    elif _is_int(vocab) and draft_vocab > vocab:
+    elif is_int(vocab) and draft_vocab > vocab:
         problems.append(f"config draft_vocab_size {draft_vocab} > transformer_layer_config.vocab_size {vocab}")
     hidden, target_hidden = layer.get("hidden_size"), config.get("target_hidden_size")
-    if target_hidden is not None and (not _is_int(target_hidden) or target_hidden <= 0):
+    if target_hidden is not None and (not is_int(target_hidden) or target_hidden <= 0):
         problems.append(f"config target_hidden_size: {target_hidden!r}, expected a positive integer or null")
     elif target_hidden not in (None, hidden):
         warnings.append(f"target_hidden_size {target_hidden} != hidden_size {hidden}: vLLM reads it, but the "
@@ -334,24 +328,24 @@ def check_speculators(
 
     provenance = config.get("draftsmith") or {}
     target_max, max_pos = provenance.get("target_max_position_embeddings"), layer.get("max_position_embeddings")
-    if _is_int(target_max) and _is_int(max_pos) and max_pos < target_max:
+    if is_int(target_max) and is_int(max_pos) and max_pos < target_max:
         problems.append(f"config transformer_layer_config.max_position_embeddings {max_pos} < the target's "
                         f"{target_max}")
     ids = config.get(AUX_IDS_KEY)
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
         problems.append(f"config {AUX_IDS_KEY}: {ids!r}, expected capture ids (missing makes vLLM fall back to its "
                         "default layers silently)")
     else:
         if any(b <= a for a, b in zip(ids, ids[1:])):
             problems.append(f"config {AUX_IDS_KEY}: {ids} must be strictly increasing")
         num_layers = provenance.get("num_target_layers")
-        if _is_int(num_layers) and max(ids) > num_layers:
+        if is_int(num_layers) and max(ids) > num_layers:
             problems.append(f"config {AUX_IDS_KEY}: {ids} exceed the target's {num_layers} layers")
     if config.get("attention_bias") or layer.get("attention_bias") or layer.get("mlp_bias"):
         warnings.append("the draft layer has biases; check that your vLLM build loads them")
 
-    sizes_ok = all(_is_int(layer.get(k)) and layer[k] > 0 for k in _LAYER_INTS) and _is_int(draft_vocab) \
-        and isinstance(ids, list) and (target_hidden is None or _is_int(target_hidden))
+    sizes_ok = all(is_int(layer.get(k)) and layer[k] > 0 for k in _LAYER_INTS) and is_int(draft_vocab) \
+        and isinstance(ids, list) and (target_hidden is None or is_int(target_hidden))
     if not sizes_ok:
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
     problems += check_state_dict(flat_view(config), expected_speculators_shapes(config), tensors)
@@ -445,7 +439,7 @@ def _num_speculative_tokens(eval_result: Any, ckpt: Path) -> int:
         pass
     for source in candidates:
         k = source.get("num_speculative_tokens") if isinstance(source, dict) else None
-        if _is_int(k) and k > 0:
+        if is_int(k) and k > 0:
             return k
     return NUM_SPECULATIVE_TOKENS
 
@@ -470,13 +464,8 @@ def export_speculators(
         cfg = Eagle3Config.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise ExportError(f"{where}: {e}") from None
-    warnings: list[str] = []
-    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
-    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
-    try:
-        eval_result = read_optional_json(ckpt / EVAL_FILE)
-    except CheckpointError as e:
-        eval_result, warnings = None, [f"eval result not shown in the model card: {e}"]
+    notes = read_card_inputs(ckpt)
+    step, eval_result, warnings = notes.step, notes.eval_result, list(notes.warnings)
 
     target_config = read_target_config(cfg.target_name_or_path) or {}
     architectures = list(cfg.target_architectures or target_config.get("architectures") or [])
@@ -485,7 +474,7 @@ def export_speculators(
     target_max = target_config.get("max_position_embeddings")
     num_tokens = _num_speculative_tokens(eval_result, ckpt)
     config = speculators_config(cfg, num_speculative_tokens=num_tokens, verifier_architectures=architectures,
-                                target_max_position_embeddings=target_max if _is_int(target_max) else None,
+                                target_max_position_embeddings=target_max if is_int(target_max) else None,
                                 step=step)
 
     tensors = {SPECULATORS_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -504,11 +493,8 @@ def export_speculators(
         raise ExportError(f"{ckpt}: refusing to export as speculators EAGLE-3: " + "; ".join(problems))
     warnings += more_warnings
 
-    recipe_path = ckpt / RECIPE_FILE
-    recipe_text = recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None
     commands = speculators_serve_commands(cfg.target_name_or_path, str(out_dir), num_tokens)
-    card = render_speculators_card(config, commands, recipe_text=recipe_text,
-                                   eval_result=eval_result if isinstance(eval_result, dict) else None)
+    card = render_speculators_card(config, commands, recipe_text=notes.recipe_text, eval_result=eval_result)
     names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
     with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
         write_json_atomic(config, tmp / CONFIG_FILE)

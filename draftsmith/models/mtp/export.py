@@ -29,18 +29,14 @@ import torch
 
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
-    EVAL_FILE,
-    RECIPE_FILE,
-    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
-    CheckpointError,
     ExportError,
     ExportResult,
     atomic_output_dir,
     check_output_dir,
     draftsmith_version,
     load_checkpoint,
-    read_optional_json,
+    read_card_inputs,
     resolve_checkpoint,
     save_safetensors_atomic,
     write_json_atomic,
@@ -111,10 +107,10 @@ def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, ove
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as MTP: " + "; ".join(problems))
     state = {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t for k, t in state.items()}
-    trainer_state = read_optional_json(ckpt / TRAINER_STATE_FILE) or {}
-    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+    notes = read_card_inputs(ckpt)
+    step = notes.step
     target = config.target_name_or_path or "TARGET"
-    warnings: list[str] = []
+    warnings = list(notes.warnings)
 
     if config.native_layout is not None:
         folder = local_folder(config.target_name_or_path)
@@ -137,11 +133,6 @@ def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, ove
         warnings.append(f"{config.target_model_type} targets have no native MTP layout: vLLM and SGLang cannot "
                         "serve this export, draftsmith's runtime can")
 
-    try:
-        eval_result = read_optional_json(ckpt / EVAL_FILE)
-    except CheckpointError as e:
-        eval_result, warnings = None, warnings + [f"eval result not shown in the model card: {e}"]
-    recipe_path = ckpt / RECIPE_FILE
     commands = serve_commands(target, str(out_dir), config)
     card = render_model_card(
         target=target, method="MTP", tags=TAGS,
@@ -153,8 +144,8 @@ def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, ove
                         "engine reads it", "num_hidden_layers" if config.native_layout else "num_target_layers",
                         [config.num_target_layers])],
         serve_commands=commands,
-        recipe_text=recipe_path.read_text(encoding="utf-8", errors="replace") if recipe_path.is_file() else None,
-        eval_result=eval_result if isinstance(eval_result, dict) else None,
+        recipe_text=notes.recipe_text,
+        eval_result=notes.eval_result,
         version=draftsmith_version(),
     )
     names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
