@@ -22,7 +22,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,3 +252,32 @@ def atomic_output_dir(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def config_for_export(ckpt: Path, raw: dict[str, Any], config_cls, method: str, format_name: str):
+    """The drafter config (`config_cls.from_dict`) of a checkpoint being exported as `format_name`; an ExportError
+    naming its config.json when the checkpoint is of another method or its config does not parse."""
+    where = ckpt / CONFIG_FILE
+    if raw.get("method") != method:
+        raise ExportError(f"{where}: method {raw.get('method')!r} cannot be exported as {format_name} "
+                          f"(needs {method!r})")
+    try:
+        return config_cls.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{where}: {e}") from None
+
+
+def write_export(out_dir: Path, ckpt: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], card: str, *,
+                 overwrite: bool, warnings: list[str], serve_commands: dict[str, str],
+                 extra_files: Mapping[str, Callable[[Path], None]] | None = None) -> ExportResult:
+    """Write config.json, model.safetensors, README.md and `extra_files` (name -> writer of that path) into
+    `out_dir`, all or nothing (atomic_output_dir), and describe the result."""
+    names = [CONFIG_FILE, WEIGHTS_FILE, "README.md", *(extra_files or {})]
+    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
+        write_json_atomic(config, tmp / CONFIG_FILE)
+        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
+        write_text_atomic(card, tmp / "README.md")
+        for name, write in (extra_files or {}).items():
+            write(tmp / name)
+    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings,
+                        serve_commands=serve_commands)

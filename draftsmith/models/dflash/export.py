@@ -27,19 +27,15 @@ from typing import Any
 import torch
 
 from draftsmith.models.checkpoint import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
     ExportError,
     ExportResult,
-    atomic_output_dir,
     check_output_dir,
+    config_for_export,
     draftsmith_version,
     load_checkpoint,
     read_card_inputs,
     resolve_checkpoint,
-    save_safetensors_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_export,
 )
 from draftsmith.models.dflash.config import METHOD, DflashConfigError, DflashDrafterConfig
 from draftsmith.models.dflash.model import MASK_EMBEDDING_FILE
@@ -251,16 +247,6 @@ def dflash_serve_commands(target: str, draft: str, block_size: int) -> dict[str,
     }
 
 
-def _draftsmith_config(ckpt: Path, raw: dict[str, Any]) -> DflashDrafterConfig:
-    where = ckpt / CONFIG_FILE
-    if raw.get("method") != METHOD:
-        raise ExportError(f"{where}: method {raw.get('method')!r} cannot be exported as dflash (needs {METHOD!r})")
-    try:
-        return DflashDrafterConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"{where}: {e}") from None
-
-
 def export_dflash(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
     dtype: torch.dtype | None = torch.bfloat16,
@@ -273,7 +259,7 @@ def export_dflash(
     ckpt = resolve_checkpoint(checkpoint)
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
-    cfg = _draftsmith_config(ckpt, raw)
+    cfg = config_for_export(ckpt, raw, DflashDrafterConfig, METHOD, "dflash")
     notes = read_card_inputs(ckpt)
     step = notes.step
 
@@ -314,14 +300,9 @@ def export_dflash(
         version=config["draftsmith"]["version"],
     )
 
-    names = [CONFIG_FILE, WEIGHTS_FILE, "README.md"]
-    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
-        write_json_atomic(config, tmp / CONFIG_FILE)
-        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
-        write_text_atomic(card, tmp / "README.md")
-        if mask_embedding is not None:
-            torch.save({"mask_token_id": cfg.mask_token_id, "embedding": mask_embedding.clone()},
-                       tmp / MASK_EMBEDDING_FILE)
-            names.append(MASK_EMBEDDING_FILE)
-    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings,
-                        serve_commands=commands)
+    extra = {}
+    if mask_embedding is not None:
+        mask_file = {"mask_token_id": cfg.mask_token_id, "embedding": mask_embedding.clone()}
+        extra[MASK_EMBEDDING_FILE] = lambda path: torch.save(mask_file, path)
+    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
+                        serve_commands=commands, extra_files=extra)

@@ -26,18 +26,15 @@ import torch
 
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
-    WEIGHTS_FILE,
     ExportError,
     ExportResult,
-    atomic_output_dir,
     check_output_dir,
+    config_for_export,
     draftsmith_version,
     load_checkpoint,
     read_card_inputs,
     resolve_checkpoint,
-    save_safetensors_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_export,
 )
 from draftsmith.models.eagle3.config import METHOD, Eagle3Config
 from draftsmith.models.drafter_config import is_int, legacy_rope
@@ -347,18 +344,6 @@ def eagle3_serve_commands(
     }
 
 
-def _draftsmith_config(ckpt: Path, raw: dict[str, Any]) -> Eagle3Config:
-    where = ckpt / CONFIG_FILE
-    if raw.get("method") != METHOD:
-        raise ExportError(
-            f"{where}: method {raw.get('method')!r} cannot be exported as native EAGLE-3 (needs {METHOD!r})"
-        )
-    try:
-        return Eagle3Config.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"{where}: {e}") from None
-
-
 def export_native_eagle3(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
     dtype: torch.dtype | None = torch.bfloat16,
@@ -371,7 +356,7 @@ def export_native_eagle3(
     ckpt = resolve_checkpoint(checkpoint)
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
-    cfg = _draftsmith_config(ckpt, raw)
+    cfg = config_for_export(ckpt, raw, Eagle3Config, METHOD, "native EAGLE-3")
     notes = read_card_inputs(ckpt)
     step = notes.step
 
@@ -411,9 +396,5 @@ def export_native_eagle3(
         version=config["draftsmith"]["version"],
     )
 
-    names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
-    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
-        write_json_atomic(config, tmp / CONFIG_FILE)
-        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
-        write_text_atomic(card, tmp / "README.md")
-    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings, serve_commands=commands)
+    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
+                        serve_commands=commands)

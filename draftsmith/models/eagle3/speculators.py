@@ -39,16 +39,14 @@ from draftsmith.models.checkpoint import (
     CheckpointError,
     ExportError,
     ExportResult,
-    atomic_output_dir,
     check_output_dir,
+    config_for_export,
     draftsmith_version,
     load_checkpoint,
     read_card_inputs,
     read_optional_json,
     resolve_checkpoint,
-    save_safetensors_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_export,
 )
 from draftsmith.models.eagle3.config import METHOD, Eagle3Config
 from draftsmith.models.eagle3.export import (
@@ -456,14 +454,7 @@ def export_speculators(
     ckpt = resolve_checkpoint(checkpoint)
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
-    where = ckpt / CONFIG_FILE
-    if raw.get("method") != METHOD:
-        raise ExportError(f"{where}: method {raw.get('method')!r} cannot be exported as speculators EAGLE-3 "
-                          f"(needs {METHOD!r})")
-    try:
-        cfg = Eagle3Config.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"{where}: {e}") from None
+    cfg = config_for_export(ckpt, raw, Eagle3Config, METHOD, "speculators EAGLE-3")
     notes = read_card_inputs(ckpt)
     step, eval_result, warnings = notes.step, notes.eval_result, list(notes.warnings)
 
@@ -495,12 +486,8 @@ def export_speculators(
 
     commands = speculators_serve_commands(cfg.target_name_or_path, str(out_dir), num_tokens)
     card = render_speculators_card(config, commands, recipe_text=notes.recipe_text, eval_result=eval_result)
-    names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
-    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
-        write_json_atomic(config, tmp / CONFIG_FILE)
-        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
-        write_text_atomic(card, tmp / "README.md")
-    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings, serve_commands=commands)
+    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
+                        serve_commands=commands)
 
 
 def render_speculators_card(

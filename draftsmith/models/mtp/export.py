@@ -28,19 +28,15 @@ from typing import Any
 import torch
 
 from draftsmith.models.checkpoint import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
     ExportError,
     ExportResult,
-    atomic_output_dir,
     check_output_dir,
+    config_for_export,
     draftsmith_version,
     load_checkpoint,
     read_card_inputs,
     resolve_checkpoint,
-    save_safetensors_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_export,
 )
 from draftsmith.models.model_card import render_model_card
 from draftsmith.models.mtp.config import METHOD, MtpDrafterConfig
@@ -96,13 +92,7 @@ def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, ove
     ckpt = resolve_checkpoint(checkpoint)
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
-    if raw.get("method") != METHOD:
-        raise ExportError(f"{ckpt / CONFIG_FILE}: method {raw.get('method')!r} cannot be exported as MTP "
-                          f"(needs {METHOD!r})")
-    try:
-        config = MtpDrafterConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"{ckpt / CONFIG_FILE}: {e}") from None
+    config = config_for_export(ckpt, raw, MtpDrafterConfig, METHOD, "MTP")
     problems = _checked_state(config, state)
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as MTP: " + "; ".join(problems))
@@ -148,10 +138,5 @@ def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, ove
         eval_result=notes.eval_result,
         version=draftsmith_version(),
     )
-    names = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
-    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
-        write_json_atomic(out_config, tmp / CONFIG_FILE)
-        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
-        write_text_atomic(card, tmp / "README.md")
-    return ExportResult(out_dir=out_dir, files=[out_dir / n for n in names], warnings=warnings,
+    return write_export(out_dir, ckpt, out_config, tensors, card, overwrite=overwrite, warnings=warnings,
                         serve_commands=commands)
