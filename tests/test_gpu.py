@@ -64,3 +64,20 @@ def test_graphed_drafter_steps_equal_eager_and_stay_lossless(method, tmp_path, f
         assert a.token_ids == b.token_ids == plain.token_ids
         assert a.metrics.to_dict() == b.metrics.to_dict()
     assert len(captures) > len(target._graphs), "the proposer recorded no graph"
+
+
+def test_compiled_decoder_layers_in_graphs_decode_like_the_module_path(fixture_target_dir, mt_bench_path):
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+
+    modules = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cuda")
+    compiled = TargetModel(modules.model, compile_layers=True)
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    spec = parse_spec_config({"method": "ngram", "prompt_lookup_max": 4, "num_speculative_tokens": 3})
+    for ids in load_prompts(mt_bench_path, tokenizer, limit=2):
+        prompt = torch.tensor([ids], device="cuda")
+        want = SpeculativeGenerator(modules, None, 0).generate(prompt, 48).token_ids
+        assert SpeculativeGenerator(compiled, None, 0).generate(prompt, 48).token_ids == want
+        assert SpeculativeGenerator(compiled, build_proposer(spec, compiled), 3).generate(prompt, 48).token_ids == want
+    assert compiled._graphs, "the compiled target recorded no graph"

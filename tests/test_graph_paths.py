@@ -106,3 +106,34 @@ def test_graph_paths_decode_what_the_eager_paths_decode(method, tmp_path, fixtur
     assert graphed_target._graphs and captured > len(graphed_target._graphs), "the proposer recorded no graph"
     graphed.generate(torch.tensor([load_prompts(mt_bench_path, tokenizer, limit=1)[0]]), 24)
     assert len(recorded_graphs) == captured, "a repeated request recorded its graphs again"
+
+
+def test_compiled_decoder_layers_decode_what_the_module_path_decodes(fixture_target_dir, mt_bench_path,
+                                                                     recorded_graphs):
+    """DRAFTSMITH_COMPILE=1 runs the graphed step's layers through one torch.compile'd function (Inductor's CPU
+    backend here): plain and speculative decoding give the module path's tokens, and its logits to float32
+    rounding."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+
+    modules = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    compiled = TargetModel(modules.model, compile_layers=True)
+    assert compiled._compiled_layer is not None and modules._compiled_layer is None
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    prompt = torch.tensor([load_prompts(mt_bench_path, tokenizer, limit=1)[0]])
+    spec = parse_spec_config({"method": "ngram", "prompt_lookup_max": 4, "num_speculative_tokens": 3}, "cpu")
+    for target in (modules, compiled):
+        target.outputs = [SpeculativeGenerator(target, None, 0).generate(prompt, 12).token_ids,
+                          SpeculativeGenerator(target, build_proposer(spec, target), 3).generate(prompt, 12).token_ids]
+    assert compiled.outputs == modules.outputs and compiled.outputs[0] == compiled.outputs[1]
+    calls = []
+    real = compiled._compiled_layer
+    compiled._compiled_layer = lambda *args: calls.append(1) or real(*args)
+    cache_a, cache_b = modules.new_cache(1, 64), compiled.new_cache(1, 64)
+    for target, cache in ((modules, cache_a), (compiled, cache_b)):
+        target.step(prompt[:, :5], cache)  # eager prefill, then a graphed (static) step of width 3
+    logits_a = modules.step(prompt[:, 5:8], cache_a).logits
+    logits_b = compiled.step(prompt[:, 5:8], cache_b).logits
+    torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-4)
+    assert len(calls) >= compiled.num_layers

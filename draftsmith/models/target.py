@@ -14,6 +14,7 @@ final norm.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from torch import nn
 from draftsmith import device as dev
 
 SUPPORTED_STEP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+COMPILE_ENV = "DRAFTSMITH_COMPILE"  # "1": fuse the graphed step's decoder layers with torch.compile
 CACHE_GRANULE = 1024  # pooled caches grow in these steps
 MAX_GRAPHED_TOKENS = 64  # wider steps (prefill) run eagerly: one graph per prompt length would not pay off
 
@@ -79,7 +81,9 @@ def attend(q, keys, values, mask, scale):
 
 
 class TargetModel:
-    def __init__(self, model: nn.Module, name_or_path: str = ""):
+    def __init__(self, model: nn.Module, name_or_path: str = "", compile_layers: bool | None = None):
+        """`compile_layers`: run the decoder layers of graphed steps through one torch.compile'd function (fewer,
+        fused kernels: what a launch-bound step needs); None reads DRAFTSMITH_COMPILE (default off)."""
         if not hasattr(model, "model") or not hasattr(model.model, "layers"):
             raise TargetError(
                 f"{name_or_path or type(model).__name__}: draftsmith needs a causal LM with decoder layers at "
@@ -102,6 +106,9 @@ class TargetModel:
         self._graphs_on = dev.graphs_supported(self.device)
         self._graphs: dict = {}  # (T, aux ids, logits_to_keep, cache id) -> (ids buffer, positions, replay, outputs)
         self._pooled: dict[int, KVCache] = {}  # batch size -> reusable cache (CUDA only)
+        if compile_layers is None:
+            compile_layers = os.environ.get(COMPILE_ENV, "0") == "1"
+        self._compiled_layer = self._compile_layers() if compile_layers else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
@@ -191,6 +198,33 @@ class TargetModel:
         cache.length = 0
         return cache
 
+    def _compile_layers(self):
+        """One compiled decoder-layer function for every layer (weights are its arguments, so all layers share
+        one compilation per step width), and each layer's weights in the order it takes them."""
+        self._check_step_support()
+        if getattr(self.config, "hidden_act", "silu") != "silu":
+            raise TargetError(f"{COMPILE_ENV}=1 supports SiLU MLPs, not {self.config.hidden_act!r}")
+        first = self.layers[0]
+        eps = first.input_layernorm.variance_epsilon
+        head_dim = self.head_dim
+
+        def layer_step(hidden, cos, sin, mask, slots, keys, values, weights):
+            return decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim)
+
+        def linear(module):
+            return module.weight, module.bias
+
+        self._layer_weights = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
+            self._layer_weights.append((
+                layer.input_layernorm.weight, *linear(attn.q_proj), *linear(attn.k_proj), *linear(attn.v_proj),
+                *norms, *linear(attn.o_proj), layer.post_attention_layernorm.weight,
+                *linear(mlp.gate_proj), *linear(mlp.up_proj), *linear(mlp.down_proj),
+            ))
+        return torch.compile(layer_step, fullgraph=True)
+
     def _check_step_support(self):
         model_type = getattr(self.config, "model_type", "")
         if model_type not in SUPPORTED_STEP_MODEL_TYPES:
@@ -248,6 +282,10 @@ class TargetModel:
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 recorded[i] = hidden
+            if start is None and self._compiled_layer is not None:
+                hidden = self._compiled_layer(hidden, cos, sin, attention_mask, slots, cache.keys[i],
+                                              cache.values[i], self._layer_weights[i])
+                continue
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q = attn.q_proj(x).view(batch, num_new, -1, self.head_dim)  # (B, T, h, hd)
@@ -301,6 +339,37 @@ class TargetModel:
         pos_buf.copy_(positions)
         replay()
         return logits.clone(), aux.clone() if aux is not None else None
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm as transformers' Llama/Qwen norms compute it: in float32, then the weight in the input dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim):
+    """One Llama-family decoder layer of the shape-static step (`_layers_forward` with start None) as a function of
+    tensors only, which torch.compile fuses; the same math as the module path. K/V are written into `keys` /
+    `values` (B, kv, T_max, hd) at `slots`; `weights` as `TargetModel._compile_layers` lists them."""
+    (ln1, wq, bq, wk, bk, wv, bv, q_norm, k_norm, wo, bo, ln2, wg, bg, wu, bu, wd, bd) = weights
+    batch, num_new, _ = hidden.shape
+    x = rms_norm(hidden, ln1, eps)
+    q = F.linear(x, wq, bq).view(batch, num_new, -1, head_dim)
+    k = F.linear(x, wk, bk).view(batch, num_new, -1, head_dim)
+    v = F.linear(x, wv, bv).view(batch, num_new, -1, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    keys.index_copy_(2, slots, k)
+    values.index_copy_(2, slots, v)
+    out = attend(q, keys, values, mask, scale=head_dim ** -0.5)
+    hidden = hidden + F.linear(out.transpose(1, 2).reshape(batch, num_new, -1), wo, bo)
+    x = rms_norm(hidden, ln2, eps)
+    return hidden + F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
 
 
 def _rotate_half(x):
