@@ -36,9 +36,11 @@ def test_graphed_steps_equal_eager_steps_on_fixture(fixture_target_dir, mt_bench
     assert graphed._graphs, "the graphed target captured no graph"
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
-def test_graphed_drafter_steps_equal_eager_and_stay_lossless(method, tmp_path, fixture_target_dir, mt_bench_path,
-                                                             monkeypatch):
+@pytest.mark.parametrize("method, extra, k", [
+    ("eagle3", {}, 3), ("eagle3", {"dynamic_tree": {"depth": 3, "top_k": 2}}, 6), ("dflash", {}, 3), ("mtp", {}, 3),
+], ids=["eagle3-chain", "eagle3-tree", "dflash", "mtp"])
+def test_graphed_drafter_steps_equal_eager_and_stay_lossless(method, extra, k, tmp_path, fixture_target_dir,
+                                                             mt_bench_path, monkeypatch):
     from transformers import AutoTokenizer
 
     from draftsmith import device as dev
@@ -51,7 +53,7 @@ def test_graphed_drafter_steps_equal_eager_and_stay_lossless(method, tmp_path, f
     tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
     target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cuda")
     folder = _drafter(method, tmp_path / method, target)
-    spec = parse_spec_config({"method": method, "model": str(folder), "num_speculative_tokens": 3})
+    spec = parse_spec_config({"method": method, "model": str(folder), "num_speculative_tokens": k, **extra})
     graphed = build_proposer(spec, target)
     monkeypatch.setenv("DRAFTSMITH_CUDA_GRAPHS", "0")
     eager = build_proposer(spec, target)
@@ -59,8 +61,8 @@ def test_graphed_drafter_steps_equal_eager_and_stay_lossless(method, tmp_path, f
     for ids in load_prompts(mt_bench_path, tokenizer, limit=3):
         prompt = torch.tensor([ids], device="cuda")
         plain = SpeculativeGenerator(target, None, 0).generate(prompt, 48)
-        a = SpeculativeGenerator(target, graphed, 3).generate(prompt, 48)
-        b = SpeculativeGenerator(target, eager, 3).generate(prompt, 48)
+        a = SpeculativeGenerator(target, graphed, k).generate(prompt, 48)
+        b = SpeculativeGenerator(target, eager, k).generate(prompt, 48)
         assert a.token_ids == b.token_ids == plain.token_ids
         assert a.metrics.to_dict() == b.metrics.to_dict()
     assert len(captures) > len(target._graphs), "the proposer recorded no graph"

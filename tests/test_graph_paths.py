@@ -68,9 +68,14 @@ def _drafter(method, folder, target):
     return folder
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
-def test_graph_paths_decode_what_the_eager_paths_decode(method, tmp_path, fixture_target_dir, mt_bench_path,
-                                                        recorded_graphs):
+@pytest.mark.parametrize("method, extra, k", [
+    ("eagle3", {}, 3),
+    ("eagle3", {"dynamic_tree": {"depth": 3, "top_k": 2}}, 6),  # tree verification: a graph with a tree mask
+    ("dflash", {}, 3),
+    ("mtp", {}, 3),
+], ids=["eagle3-chain", "eagle3-tree", "dflash", "mtp"])
+def test_graph_paths_decode_what_the_eager_paths_decode(method, extra, k, tmp_path, fixture_target_dir,
+                                                        mt_bench_path, recorded_graphs):
     from transformers import AutoTokenizer
 
     from draftsmith.inference.eval import load_prompts
@@ -81,11 +86,11 @@ def test_graph_paths_decode_what_the_eager_paths_decode(method, tmp_path, fixtur
     graphed_target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
     assert graphed_target._graphs_on and not eager_target._graphs_on
     folder = _drafter(method, tmp_path / method, graphed_target)
-    spec = parse_spec_config({"method": method, "model": str(folder), "num_speculative_tokens": 3}, "cpu")
-    graphed = SpeculativeGenerator(graphed_target, build_proposer(spec, graphed_target), 3)
+    spec = parse_spec_config({"method": method, "model": str(folder), "num_speculative_tokens": k, **extra}, "cpu")
+    graphed = SpeculativeGenerator(graphed_target, build_proposer(spec, graphed_target), k)
     with pytest.MonkeyPatch.context() as eager_only:
         eager_only.setattr(dev, "graphs_supported", lambda device: False)
-        eager = SpeculativeGenerator(eager_target, build_proposer(spec, eager_target), 3)
+        eager = SpeculativeGenerator(eager_target, build_proposer(spec, eager_target), k)
     plain = SpeculativeGenerator(eager_target, None, 0)
     drafts = {"graphed": [], "eager": []}  # every proposal: untrained drafters are rarely accepted, so outputs and
     for name, generator in (("graphed", graphed), ("eager", eager)):  # metrics alone would hide wrong drafts

@@ -249,9 +249,9 @@ class TargetModel:
         if end > cache.max_length:
             raise ValueError(f"KV cache overflow: {end} positions > max_length {cache.max_length}")
         aux_ids = tuple(self.check_aux_layer_ids(aux_layer_ids)) if aux_layer_ids is not None else ()
-        if (self._graphs_on and batch == 1 and num_new <= MAX_GRAPHED_TOKENS and attention_mask is None
-                and position_ids is None and cache is self._pooled.get(batch)):
-            logits, aux = self._graphed_step(input_ids, cache, aux_ids, logits_to_keep)
+        if (self._graphs_on and batch == 1 and num_new <= MAX_GRAPHED_TOKENS and cache is self._pooled.get(batch)
+                and (attention_mask is None) == (position_ids is None)):  # plain steps, or one request's tree
+            logits, aux = self._graphed_step(input_ids, cache, aux_ids, logits_to_keep, attention_mask, position_ids)
         else:
             if position_ids is None:
                 position_ids = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, -1)
@@ -264,17 +264,21 @@ class TargetModel:
         cache.length = end
         return StepOutput(logits=logits, aux_hidden=aux)
 
-    def _layers_forward(self, input_ids, position_ids, cache, start, end, attention_mask, aux_ids, logits_to_keep):
+    def _layers_forward(self, input_ids, position_ids, cache, start, end, attention_mask, aux_ids, logits_to_keep,
+                        slots=None):
         """The decoder stack over the cache. With `start`/`end` None the step is shape-static (for CUDA graphs):
-        K/V are scattered at `position_ids` and every query attends over the whole cache, masked by position, so
-        stale entries past the current length (rejected drafts) are never seen."""
+        K/V are scattered at `slots` (default: the positions) and every query attends over the whole cache, masked
+        by position (or by `attention_mask` (1, 1, T, T_max) for a tree), so stale entries past the current length
+        (rejected drafts) are never seen."""
         batch, num_new = input_ids.shape
         wanted = set(aux_ids)
         recorded: dict[int, torch.Tensor] = {}
         if start is None:
-            key_pos = torch.arange(cache.max_length, device=self.device)
-            attention_mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (B, 1, T, T_max)
-            slots = position_ids[0]  # (T,) rows share positions (B == 1)
+            if attention_mask is None:
+                key_pos = torch.arange(cache.max_length, device=self.device)
+                attention_mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (B, 1, T, T_max)
+            if slots is None:
+                slots = position_ids[0]  # (T,) rows share positions (B == 1)
 
         hidden = self.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = self.model.model.rotary_emb(hidden, position_ids)  # (B, T, hd)
@@ -317,26 +321,37 @@ class TargetModel:
         return logits, aux
 
     # ---- CUDA graphs for fixed-shape steps -----------------------------------------------------
-    def _graphed_step(self, input_ids, cache, aux_ids, logits_to_keep):
-        """Replay a captured graph of the static step for this (T, aux ids, logits_to_keep) on the pooled cache.
+    def _graphed_step(self, input_ids, cache, aux_ids, logits_to_keep, tree_mask=None, tree_positions=None):
+        """Replay a captured graph of the static step for this (T, aux ids, logits_to_keep, tree or not) on the
+        pooled cache.
 
-        Only the inputs change between replays (token ids, positions), so decode and verify steps of a fixed
-        width cost one graph launch instead of hundreds of kernel launches."""
+        Only the inputs change between replays (token ids, positions; for a draft tree also its mask, widened to
+        the whole cache, and the consecutive slots it writes), so decode and verify steps of a fixed width cost
+        one graph launch instead of hundreds of kernel launches."""
         num_new = input_ids.shape[1]
-        key = (num_new, aux_ids, logits_to_keep, id(cache))
+        start, end = cache.length, cache.length + num_new
+        tree = tree_mask is not None
+        key = (num_new, aux_ids, logits_to_keep, id(cache), tree)
+        inputs = [input_ids, tree_positions if tree else torch.arange(start, end, device=self.device)[None]]
+        if tree:
+            full = torch.zeros(1, 1, num_new, cache.max_length, dtype=torch.bool, device=self.device)
+            full[..., :end] = tree_mask
+            inputs += [full, torch.arange(start, end, device=self.device)]
         entry = self._graphs.get(key)
-        positions = torch.arange(cache.length, cache.length + num_new, device=self.device).unsqueeze(0)
         if entry is None:
-            ids_buf, pos_buf = input_ids.clone(), positions.clone()
+            buffers = [x.clone() for x in inputs]
 
             def run():
-                return self._layers_forward(ids_buf, pos_buf, cache, None, None, None, aux_ids, logits_to_keep)
+                ids, positions, *tree_inputs = buffers
+                mask, slots = tree_inputs if tree_inputs else (None, None)
+                return self._layers_forward(ids, positions, cache, None, None, mask, aux_ids, logits_to_keep,
+                                            slots=slots)
 
             replay, outputs = dev.capture_graph(run)
-            entry = self._graphs[key] = (ids_buf, pos_buf, replay, outputs)
-        ids_buf, pos_buf, replay, (logits, aux) = entry
-        ids_buf.copy_(input_ids)
-        pos_buf.copy_(positions)
+            entry = self._graphs[key] = (buffers, replay, outputs)
+        buffers, replay, (logits, aux) = entry
+        for buffer, x in zip(buffers, inputs):
+            buffer.copy_(x)
         replay()
         return logits.clone(), aux.clone() if aux is not None else None
 
