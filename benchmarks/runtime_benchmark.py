@@ -25,6 +25,7 @@ from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.report import write_plots
 from draftsmith.inference.sampling import SamplingParams
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+from draftsmith.models.checkpoint import write_json_atomic
 from draftsmith.models.target import TargetModel
 
 TREES = [(4, 4, 16), (6, 8, 48)]  # (depth, top_k, total nodes): a small and an EAGLE-2-sized tree
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
         }
         report["runs"][f"temperature_{temperature:g}"] = sweep
         write_plots(sweep, out / f"t{temperature:g}")
-    (out / "runtime.json").write_text(json.dumps(report, indent=1, default=str))
+        write_json_atomic(report, out / "runtime.json")  # after each temperature: a run cut short keeps it
     print(f"wrote {out / 'runtime.json'}")
     return 0
 

@@ -29,6 +29,7 @@ from draftsmith import device as dev
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.spec_config import SpecConfig, SpecConfigError, build_proposer, parse_spec_config
+from draftsmith.models.checkpoint import draftsmith_version
 
 WARMUP_TOKENS = 8  # each generator first runs one short untimed generation: start-up costs stay out of tok/s
 
@@ -340,7 +341,8 @@ def run_info(target, argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": str(target.dtype).removeprefix("torch."),
         "target": str(getattr(target, "name_or_path", "")),
         "python": platform.python_version(),
-        "versions": {name: _version(name) for name in ("torch", "transformers", "draftsmith")},
+        "versions": {**{name: _version(name) for name in ("torch", "transformers")},
+                     "draftsmith": draftsmith_version()},  # also from a source tree that is not installed
     }
 
 
