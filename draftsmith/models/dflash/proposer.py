@@ -40,8 +40,7 @@ class DflashProposer:
         self.bound = 0  # host-side upper bound of max(lengths)
         self.last: torch.Tensor | None = None  # (B, 1) token at each row's newest committed position
         self._graphs_on = dev.graphs_supported(self.device)
-        self._graph = None  # (cache id, last buffer, lengths buffer, replay, (scores, tokens)) for one request
-        self._extend_graphs = dev.GraphPool()  # one request: (width, cache id) -> graph of extend_context
+        self._graphs = dev.GraphPool()  # one request: ("block" or extend width, cache id) -> graph
 
     @classmethod
     def from_config(cls, spec, target) -> "DflashProposer":
@@ -86,6 +85,7 @@ class DflashProposer:
         bigger.keys[..., : self.bound, :] = self.cache.keys[..., : self.bound, :]
         bigger.values[..., : self.bound, :] = self.cache.values[..., : self.bound, :]
         self.cache = bigger
+        self._graphs.clear()  # recorded on the old cache
 
     @torch.no_grad()
     def extend(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
@@ -99,8 +99,8 @@ class DflashProposer:
         counts = (token_ids != PAD_DRAFT_TOKEN).sum(dim=1)  # (B,) committed tokens per row
         aux_hidden = aux_hidden.to(self.dtype)
         if self._graphs_on and token_ids.shape[0] == 1 and n <= MAX_GRAPHED_DRAFT_WIDTH:
-            self._extend_graphs.run((n, id(self.cache)), partial(self._extend_context, self.cache), aux_hidden,
-                                    self.lengths)
+            self._graphs.run((n, id(self.cache)), partial(self._extend_context, self.cache), aux_hidden,
+                             self.lengths)
         else:
             self._extend_context(self.cache, aux_hidden, self.lengths)
         newest = token_ids.gather(1, (counts - 1).clamp(min=0)[:, None])  # (B, 1) the token at p_b + count
@@ -117,7 +117,11 @@ class DflashProposer:
             raise ValueError(f"DFlash drafts at most block_size - 1 = {self.block_size - 1} tokens, asked {num_tokens}")
         self._ensure_capacity(self.bound + self.block_size)
         if self._graphs_on and batch == 1:
-            scores, token_ids = self._graphed_block()
+            # Attending over the whole cache (masked past the row's length) gives every step the same shapes.
+            cache = self.cache
+            scores, token_ids = (t.clone() for t in self._graphs.run(
+                ("block", id(cache)), lambda last, lengths: self._block(last, lengths, cache.max_length),
+                self.last, self.lengths))
         else:
             scores, token_ids = self._block(self.last, self.lengths, self.bound + self.block_size)
         scores, token_ids = scores[:, :num_tokens], token_ids[:, :num_tokens]
@@ -138,17 +142,3 @@ class DflashProposer:
         block = self.drafter.block_inputs(self.embed_tokens(last), mask_embed)  # (B, B_k, H)
         hidden = self.drafter.draft_block(block, self.cache, lengths, key_length)[:, 1:]  # slots 1..B_k-1
         return torch.log_softmax(self.lm_head(hidden).float(), dim=-1).max(dim=-1)
-
-    def _graphed_block(self):
-        """`_block` of one request replayed as one CUDA graph: attending over the whole cache (masked past the
-        row's length) gives every step the same shapes, so the whole drafter pass costs one launch."""
-        if self._graph is None or self._graph[0] != id(self.cache):
-            last, lengths = self.last.clone(), self.lengths.clone()
-            cache = self.cache
-            replay, outputs = dev.capture_graph(lambda: self._block(last, lengths, cache.max_length))
-            self._graph = (id(cache), last, lengths, replay, outputs)
-        _, last, lengths, replay, (scores, token_ids) = self._graph
-        last.copy_(self.last)
-        lengths.copy_(self.lengths)
-        replay()
-        return scores.clone(), token_ids.clone()
