@@ -104,7 +104,7 @@ class TargetModel:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._graphs_on = dev.graphs_supported(self.device)
-        self._graphs: dict = {}  # (T, aux ids, logits_to_keep, cache id) -> (ids buffer, positions, replay, outputs)
+        self._graphs = dev.GraphPool()  # (T, aux ids, logits_to_keep, cache id, tree or not) -> graph of the step
         self._pooled: dict[int, KVCache] = {}  # batch size -> reusable cache (CUDA only)
         if compile_layers is None:
             compile_layers = os.environ.get(COMPILE_ENV, "0") == "1"
@@ -337,22 +337,11 @@ class TargetModel:
             full = torch.zeros(1, 1, num_new, cache.max_length, dtype=torch.bool, device=self.device)
             full[..., :end] = tree_mask
             inputs += [full, torch.arange(start, end, device=self.device)]
-        entry = self._graphs.get(key)
-        if entry is None:
-            buffers = [x.clone() for x in inputs]
 
-            def run():
-                ids, positions, *tree_inputs = buffers
-                mask, slots = tree_inputs if tree_inputs else (None, None)
-                return self._layers_forward(ids, positions, cache, None, None, mask, aux_ids, logits_to_keep,
-                                            slots=slots)
+        def run(ids, positions, mask=None, slots=None):
+            return self._layers_forward(ids, positions, cache, None, None, mask, aux_ids, logits_to_keep, slots=slots)
 
-            replay, outputs = dev.capture_graph(run)
-            entry = self._graphs[key] = (buffers, replay, outputs)
-        buffers, replay, (logits, aux) = entry
-        for buffer, x in zip(buffers, inputs):
-            buffer.copy_(x)
-        replay()
+        logits, aux = self._graphs.run(key, run, *inputs)
         return logits.clone(), aux.clone() if aux is not None else None
 
 

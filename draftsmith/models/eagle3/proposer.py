@@ -63,8 +63,7 @@ class Eagle3Proposer:
         self.valid: Tensor | None = None  # (B, T_max) bool, used when ragged
         self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
         self._graphs_on = dev.graphs_supported(self.device)
-        self._graphs: dict = {}  # (k, cache id) -> (hidden buffer, start buffer, replay, outputs)
-        self._extend_graphs = dev.GraphPool()  # one request: (width, cache id) -> graph of the extend step
+        self._graphs = dev.GraphPool()  # one request: ("chain", k | "extend", width; cache id) -> graph
 
     @classmethod
     def from_config(cls, spec, target) -> "Eagle3Proposer":
@@ -94,7 +93,6 @@ class Eagle3Proposer:
             self.cache.length = 0
         else:
             self._graphs.clear()
-            self._extend_graphs.clear()
             self.cache = self.drafter.new_cache(batch, length, self.dtype, self.device)
         self.committed = 0
         self.next_hidden = None
@@ -113,7 +111,6 @@ class Eagle3Proposer:
         bigger.length = self.cache.length
         self.cache = bigger
         self._graphs.clear()  # recorded on the old cache's memory
-        self._extend_graphs.clear()
         if self.valid is not None:
             grown = torch.zeros(self.valid.shape[0], length, dtype=torch.bool, device=self.device)
             grown[:, : self.valid.shape[1]] = self.valid
@@ -141,8 +138,8 @@ class Eagle3Proposer:
         self._ensure_capacity(self.committed + n + 1)
         if not self.ragged and self._graphs_on and n <= MAX_GRAPHED_DRAFT_WIDTH:
             start = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
-            out = self._extend_graphs.run((n, id(self.cache)), self._extend_static, token_ids,
-                                          aux_hidden.to(self.dtype), start)
+            out = self._graphs.run(("extend", n, id(self.cache)), self._extend_static, token_ids,
+                                   aux_hidden.to(self.dtype), start)
             self.next_hidden = out[:, -1:].clone()
             self.positions += n
             self.cache.length = self.committed + n
@@ -212,22 +209,12 @@ class Eagle3Proposer:
     def _graphed_chain(self, num_tokens: int) -> Proposal:
         """The greedy chain of one request replayed as one CUDA graph per k (`Eagle3Drafter.greedy_chain_static`):
         k drafter steps cost one launch instead of a few hundred."""
-        key = (num_tokens, id(self.cache))
-        entry = self._graphs.get(key)
-        if entry is None:
-            hidden_buf = self.next_hidden.clone()
-            start_buf = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
-            cache, embed = self.cache, self.embed_tokens
-
-            def run():
-                return self.drafter.greedy_chain_static(hidden_buf, start_buf, cache, embed, num_tokens)
-
-            replay, outputs = dev.capture_graph(run)  # its warm-up runs compute this very chain
-            entry = self._graphs[key] = (hidden_buf, start_buf, replay, outputs)
-        hidden_buf, start_buf, replay, (tokens, scores) = entry
-        hidden_buf.copy_(self.next_hidden)
-        start_buf.fill_(self.committed)
-        replay()
+        cache, embed = self.cache, self.embed_tokens
+        start = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
+        tokens, scores = self._graphs.run(
+            ("chain", num_tokens, id(cache)),
+            lambda hidden, start: self.drafter.greedy_chain_static(hidden, start, cache, embed, num_tokens),
+            self.next_hidden, start)
         self.cache.length = self.committed + num_tokens - 1  # the chain's pairs, as the eager loop leaves them
         lengths = torch.full((1,), num_tokens, dtype=torch.long, device=self.device)
         return Proposal(token_ids=tokens.clone(), lengths=lengths, scores=scores.clone())
