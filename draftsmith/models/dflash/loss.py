@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from draftsmith.models.eagle3.loss import simulated_acceptance_length
+from draftsmith.models.eagle3.loss import checkpointed_row_chunks, simulated_acceptance_length
 
 
 @torch.no_grad()
@@ -82,17 +81,10 @@ def head_cross_entropy(hidden, labels, head_weight, chunk_size: int = 2048):
 
     Each chunk is recomputed in backward (activation checkpointing), so only (chunk, V) logits are ever alive.
     """
-    ces, preds = [], []
-    for i in range(0, hidden.shape[0], chunk_size):
-        h, y = hidden[i:i + chunk_size], labels[i:i + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            ce, pred = checkpoint(_chunk_cross_entropy, h, y, head_weight, use_reentrant=False)
-        else:
-            ce, pred = _chunk_cross_entropy(h, y, head_weight)
-        ces.append(ce)
-        preds.append(pred)
-    if not ces:
+    chunks = checkpointed_row_chunks(_chunk_cross_entropy, (hidden, labels), head_weight, chunk_size=chunk_size)
+    if not chunks:
         return hidden.new_zeros(0), labels.new_zeros(0)
+    ces, preds = zip(*chunks)
     return torch.cat(ces), torch.cat(preds)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @torch.no_grad()
@@ -70,6 +71,20 @@ def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, dec
         metrics[f"count_{i}"] = count
     metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid_steps[0])
     return total, metrics
+
+
+def checkpointed_row_chunks(fn, rows: tuple[torch.Tensor, ...], *args, chunk_size: int) -> list:
+    """`fn(*row_chunks, *args)` over `chunk_size` rows at a time of every tensor in `rows`, recomputed in the backward
+    pass (activation checkpointing) when the rows need gradients, so only one chunk's (chunk, V) logits are ever
+    alive (the MTP and DFlash losses read out with the target's full head). Returns fn's outputs, one per chunk."""
+    chunks = []
+    for i in range(0, rows[0].shape[0], chunk_size):
+        part = [r[i:i + chunk_size] for r in rows]
+        if torch.is_grad_enabled() and part[0].requires_grad:
+            chunks.append(checkpoint(fn, *part, *args, use_reentrant=False))
+        else:
+            chunks.append(fn(*part, *args))
+    return chunks
 
 
 def simulated_acceptance_length(correct_steps, valid0) -> torch.Tensor:

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from draftsmith.models.eagle3.loss import simulated_acceptance_length
+from draftsmith.models.eagle3.loss import checkpointed_row_chunks, simulated_acceptance_length
 from draftsmith.models.mtp.model import shift_left
 
 
@@ -43,18 +42,11 @@ def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: 
     """
     rows = valid.nonzero(as_tuple=True)
     draft_rows, teacher_rows = draft_hidden[rows], teacher_hidden[rows]  # (N, H)
-    losses, agrees = [], []
-    for start in range(0, draft_rows.shape[0], chunk_size):
-        d, t = draft_rows[start:start + chunk_size], teacher_rows[start:start + chunk_size]
-        if torch.is_grad_enabled() and d.requires_grad:
-            loss, agree = checkpoint(_soft_ce_rows, d, t, lm_head, use_reentrant=False)
-        else:
-            loss, agree = _soft_ce_rows(d, t, lm_head)
-        losses.append(loss)
-        agrees.append(agree)
+    chunks = checkpointed_row_chunks(_soft_ce_rows, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size)
     per_pos = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     correct = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
-    if losses:
+    if chunks:
+        losses, agrees = zip(*chunks)
         per_pos = per_pos.index_put(rows, torch.cat(losses))
         correct[rows] = torch.cat(agrees)
     elif draft_hidden.requires_grad:  # nothing to learn here, but keep the graph so backward (and DDP) still run
