@@ -88,3 +88,16 @@ def test_static_step_ignores_stale_cache_entries():
         ref = model(ids, output_hidden_states=True)
     torch.testing.assert_close(logits, ref.logits[:, 6:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux, ref.hidden_states[2][:, 6:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_drafter_for_another_target_is_refused_with_both_shapes(tiny_llama):
+    model, config = tiny_llama()
+    target = TargetModel(model.float())
+    vocab, hidden, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    target.check_drafter_fits("d", "drafter", vocab, hidden)  # fits: no error
+    target.check_drafter_fits("m", "MTP drafter", vocab, hidden, layers)
+    with pytest.raises(KeyError, match=f"d: drafter was trained for a target with vocab {vocab + 1} and hidden size "
+                                       f"{hidden}; this target has vocab {vocab} and hidden size {hidden}"):
+        target.check_drafter_fits("d", "drafter", vocab + 1, hidden, error=KeyError)
+    with pytest.raises(ValueError, match=f"{layers + 1} layers; this target has .* and {layers} layers"):
+        target.check_drafter_fits("m", "MTP drafter", vocab, hidden, layers + 1)

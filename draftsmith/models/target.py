@@ -143,6 +143,23 @@ class TargetModel:
 
         return default_aux_layer_ids(self.num_layers)
 
+    def check_drafter_fits(self, source, label: str, vocab_size: int, hidden_size: int, num_layers: int | None = None,
+                           error: type[Exception] = ValueError) -> None:
+        """Refuse a drafter trained for another target: its vocabulary, hidden size (and, for MTP, depth) must be
+        this target's. `label` names the drafter in the message, `error` is the caller's error type."""
+        names = ("vocab", "hidden size", "layers")
+        trained = (vocab_size, hidden_size, num_layers)
+        mine = (self.vocab_size, self.hidden_size, self.num_layers if num_layers is not None else None)
+        if trained == mine:
+            return
+
+        def described(values):
+            parts = [f"{v} {n}" if n == "layers" else f"{n} {v}" for n, v in zip(names, values) if v is not None]
+            return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+        raise error(f"{source}: {label} was trained for a target with {described(trained)}; "
+                    f"this target has {described(mine)}")
+
     def check_aux_layer_ids(self, aux_layer_ids) -> list[int]:
         ids = [int(i) for i in aux_layer_ids]
         bad = [i for i in ids if not 0 <= i <= self.num_layers]

@@ -48,11 +48,7 @@ class DflashProposer:
             raise DflashConfigError("speculative config: method dflash needs \"model\": the drafter folder")
         drafter = load_drafter(spec.model, device=target.device, dtype=target.dtype)
         cfg = drafter.config
-        if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.hidden_size:
-            raise DflashConfigError(
-                f"{spec.model}: drafter was trained for a target with vocab {cfg.vocab_size} and hidden size "
-                f"{cfg.hidden_size}, this target has {target.vocab_size} and {target.hidden_size}"
-            )
+        target.check_drafter_fits(spec.model, "drafter", cfg.vocab_size, cfg.hidden_size, error=DflashConfigError)
         target.check_aux_layer_ids(cfg.aux_layer_ids)
         if spec.num_speculative_tokens > cfg.block_size - 1:
             raise DflashConfigError(

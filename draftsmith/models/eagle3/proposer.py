@@ -71,11 +71,7 @@ class Eagle3Proposer:
             raise ValueError("speculative config: method eagle3 needs \"model\": the drafter folder")
         drafter = load_drafter(spec.model, device=target.device, dtype=target.dtype)
         cfg = drafter.config
-        if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
-            raise ValueError(
-                f"{spec.model}: drafter was trained for a target with vocab {cfg.vocab_size} and hidden size "
-                f"{cfg.target_hidden_size}, this target has {target.vocab_size} and {target.hidden_size}"
-            )
+        target.check_drafter_fits(spec.model, "drafter", cfg.vocab_size, cfg.target_hidden_size)
         target.check_aux_layer_ids(cfg.aux_layer_ids)
         tree = getattr(spec, "speculative_token_tree", None)
         return cls(drafter, target.embed_tokens,

@@ -68,13 +68,7 @@ class MtpProposer:
             hint = "" if spec.model else " (no \"model\" given, so the target's own MTP weights were looked for)"
             raise ValueError(f"speculative config: method mtp: {e}{hint}") from None
         cfg = drafter.config
-        if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.hidden_size \
-                or cfg.num_target_layers != target.num_layers:
-            raise ValueError(
-                f"{path}: MTP drafter was trained for a target with vocab {cfg.vocab_size}, hidden size "
-                f"{cfg.hidden_size} and {cfg.num_target_layers} layers; this target has {target.vocab_size}, "
-                f"{target.hidden_size} and {target.num_layers}"
-            )
+        target.check_drafter_fits(path, "MTP drafter", cfg.vocab_size, cfg.hidden_size, cfg.num_target_layers)
         return cls(drafter, target.embed_tokens, target.lm_head, spec.num_speculative_tokens)
 
     def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
