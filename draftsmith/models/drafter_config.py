@@ -4,6 +4,8 @@ loading its weights for the runtime."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -66,3 +68,32 @@ def load_for_inference(drafter, tensors, source, device, dtype, error: type[Exce
     drafter.to(device=device, dtype=dtype)
     drafter.rotary_emb = LlamaRotaryEmbedding(drafter.config.llama_config()).to(device)
     return drafter.eval()
+
+
+class DrafterLoadError(ValueError):
+    """A folder that holds no drafter draftsmith can read."""
+
+
+def read_drafter_config(folder: Path, family: str) -> tuple[dict[str, Any], Path, Path]:
+    """(config dict, config path, weights path) of a drafter folder; a one-line error naming the missing file or
+    the config's bad line. `family` names the drafter in the messages ("EAGLE-3", "DFlash")."""
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        article = "an" if family[0] in "AEIOU" else "a"
+        raise DrafterLoadError(f"{folder}: expected config.json and model.safetensors of {article} {family} drafter")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DrafterLoadError(f"{config_path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    return raw, config_path, weights_path
+
+
+def load_drafter_weights(weights_path: Path) -> dict[str, Any]:
+    """The tensors of a drafter's model.safetensors, on the CPU; a DrafterLoadError naming the file otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(weights_path))
+    except (SafetensorError, OSError) as e:
+        raise DrafterLoadError(f"{weights_path}: cannot load: {e}") from None

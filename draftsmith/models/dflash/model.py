@@ -19,7 +19,6 @@ and, bidirectionally, its own B_k slots. Slot k sits at position a + k and predi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -27,7 +26,12 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.models.dflash.config import DflashConfigError, DflashDrafterConfig
-from draftsmith.models.drafter_config import load_for_inference
+from draftsmith.models.drafter_config import (
+    DrafterLoadError,
+    load_drafter_weights,
+    load_for_inference,
+    read_drafter_config,
+)
 from draftsmith.models.target import KVCache, attend
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
@@ -232,24 +236,12 @@ def init_drafter(drafter: DflashDrafter, target_embedding: torch.Tensor, std: fl
 
 
 # ---- loading ---------------------------------------------------------------------------------------------------
-class DrafterLoadError(ValueError):
-    """A folder that holds no DFlash drafter draftsmith can read."""
-
-
 def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str, torch.Tensor]]:
     """Config and tensors (draftsmith names) of a draftsmith DFlash checkpoint or a `--format dflash` export."""
-    from safetensors.torch import load_file
-
     from draftsmith.models.dflash.export import config_from_export
 
     folder = Path(path)
-    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise DrafterLoadError(f"{folder}: expected config.json and model.safetensors of a DFlash drafter")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DrafterLoadError(f"{config_path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    raw, config_path, weights_path = read_drafter_config(folder, "DFlash")
     native = "DFlashDraftModel" in (raw.get("architectures") or [])
     if raw.get("method") != "dflash" and not native:
         raise DrafterLoadError(f"{config_path}: not a DFlash drafter (no \"method\": \"dflash\" and architectures "
@@ -260,7 +252,7 @@ def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str
                   else config_from_export(raw, learned_mask=mask_file.is_file()))
     except (DflashConfigError, KeyError, TypeError) as e:
         raise DrafterLoadError(f"{config_path}: {e}") from None
-    tensors = load_file(str(weights_path))
+    tensors = load_drafter_weights(weights_path)
     if native and mask_file.is_file():
         tensors["mask_embedding"] = read_mask_embedding(mask_file, raw)
     return config, tensors

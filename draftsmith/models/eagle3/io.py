@@ -6,24 +6,22 @@ Every public layout is turned into draftsmith's config and tensor names here, in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from draftsmith.models.drafter_config import load_for_inference
+from draftsmith.models.drafter_config import (
+    DrafterLoadError,
+    load_drafter_weights,
+    load_for_inference,
+    read_drafter_config,
+)
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.export import AUX_IDS_KEY, output_of_layer_to_capture
 from draftsmith.models.eagle3.model import Eagle3Drafter
 
 NATIVE_ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}
-
-
-class DrafterLoadError(ValueError):
-    """A folder that holds no EAGLE-3 drafter draftsmith can read."""
 
 
 def is_native_eagle3(cfg: dict[str, Any]) -> bool:
@@ -139,18 +137,8 @@ def read_public_eagle3(
 
 def read_drafter_folder(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """Config and tensors (draftsmith names) of a drafter folder in draftsmith's, the native or speculators layout."""
-    folder = Path(path)
-    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise DrafterLoadError(f"{folder}: expected config.json and model.safetensors of an EAGLE-3 drafter")
-    try:
-        cfg = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DrafterLoadError(f"{config_path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError) as e:
-        raise DrafterLoadError(f"{weights_path}: cannot load: {e}") from None
+    cfg, config_path, weights_path = read_drafter_config(Path(path), "EAGLE-3")
+    tensors = load_drafter_weights(weights_path)
     if cfg.get("method") == "eagle3":
         return Eagle3Config.from_dict(cfg), tensors
     if is_native_eagle3(cfg) or is_speculators_eagle3(cfg):
