@@ -16,20 +16,27 @@ from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.target import TargetModel
 
 
-def untrained_checkpoint(folder, target, draft_vocab=2000, seed=0):
+def untrained_drafter(target, draft_vocab=2000, seed=0):
+    """An eval-mode EAGLE-3 drafter for `target` with random weights and a random draft vocabulary."""
     torch.manual_seed(seed)
     config = Eagle3Config.from_target(target.config, draft_vocab, target_name_or_path=target.name_or_path)
-    drafter = Eagle3Drafter(config)
+    drafter = Eagle3Drafter(config).eval()
     for name, p in drafter.named_parameters():
         if "norm" not in name:
             nn.init.normal_(p, std=0.05)
     used = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
     drafter.d2t.copy_(used - torch.arange(draft_vocab))
     drafter.t2d[used] = True
+    return drafter
+
+
+def untrained_checkpoint(folder, target, draft_vocab=2000, seed=0):
+    """`untrained_drafter` saved as a draftsmith checkpoint folder; returns (folder, drafter)."""
+    drafter = untrained_drafter(target, draft_vocab, seed)
     folder.mkdir(parents=True)
     tensors = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
     save_safetensors_atomic(tensors, folder / "model.safetensors")
-    write_json_atomic(config.to_dict(), folder / "config.json")
+    write_json_atomic(drafter.config.to_dict(), folder / "config.json")
     return folder, drafter
 
 

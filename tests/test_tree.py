@@ -278,16 +278,9 @@ def prompts(fixture_target_dir, mt_bench_path):
 
 def untrained_drafter(target, draft_vocab=500, seed=0):
     """A fixture-sized EAGLE-3 drafter with random weights and a random draft vocabulary."""
-    torch.manual_seed(seed)
-    config = Eagle3Config.from_target(target.config, draft_vocab)
-    drafter = Eagle3Drafter(config).eval()
-    for name, p in drafter.named_parameters():
-        if "norm" not in name:
-            nn.init.normal_(p, std=0.05)
-    used = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
-    drafter.d2t.copy_(used - torch.arange(draft_vocab))
-    drafter.t2d[used] = True
-    return drafter
+    from test_eagle3_runtime import untrained_drafter as random_eagle3
+
+    return random_eagle3(target, draft_vocab, seed)
 
 
 class OracleTreeProposer:
