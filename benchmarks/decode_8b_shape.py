@@ -32,13 +32,8 @@ def copy_bandwidth(device, gigabytes: float = 2.0) -> float:
     """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
     src = torch.empty(int(gigabytes * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    dev.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    dev.synchronize(device)
-    return 2 * src.numel() * src.element_size() * 10 / (time.perf_counter() - start)
+    ms = dev.time_ms(lambda: dst.copy_(src), device, repeat=10)
+    return 2 * src.numel() * src.element_size() / (ms / 1e3)
 
 
 def main(argv=None) -> int:
@@ -114,13 +109,7 @@ def measure(target: TargetModel, prompt: torch.Tensor, new_tokens: int, device) 
             def step():
                 cache.rollback(base)
                 target.step(ids[:, :width], cache)
-            step()
-            dev.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(20):
-                step()
-            dev.synchronize(device)
-            step_ms[width] = (time.perf_counter() - start) / 20 * 1e3
+            step_ms[width] = dev.time_ms(step, device, repeat=20)
     return {"compiled_layers_used": target._compiled_layer is not None and target._graphs_on,  # graphed steps only
             "tokens": len(result.token_ids), "seconds": result.seconds, "warmup_seconds": warmup,
             "tokens_per_second": len(result.token_ids) / result.seconds, "step_ms_by_width": step_ms}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -17,16 +16,6 @@ from draftsmith.inference.eval import load_prompts
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.target import TargetModel
-
-
-def timed(fn, device, repeat=50):
-    fn()
-    dev.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    dev.synchronize(device)
-    return (time.perf_counter() - start) / repeat * 1e3  # ms
 
 
 def main() -> None:
@@ -59,9 +48,9 @@ def main() -> None:
             target.step(ids[:, :width], cache, aux_layer_ids=aux_ids)
         return run
 
-    ms["target_step_T1"] = timed(target_step(1), device)
-    ms[f"target_step_T{args.k + 1}"] = timed(target_step(args.k + 1), device)
-    ms[f"target_step_T{args.k + 1}_aux"] = timed(target_step(args.k + 1, aux), device)
+    ms["target_step_T1"] = dev.time_ms(target_step(1), device)
+    ms[f"target_step_T{args.k + 1}"] = dev.time_ms(target_step(args.k + 1), device)
+    ms[f"target_step_T{args.k + 1}_aux"] = dev.time_ms(target_step(args.k + 1, aux), device)
 
     eagle = parse_spec_config({"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k})
     proposer = build_proposer(eagle, target)
@@ -70,14 +59,14 @@ def main() -> None:
     first = out.logits[:, -1].argmax(-1, keepdim=True)
     proposer.extend(torch.cat([ids[:, 1:], first], 1), out.aux_hidden)
     committed = proposer.committed
-    ms[f"propose_k{args.k}"] = timed(lambda: proposer.propose(args.k), device)
+    ms[f"propose_k{args.k}"] = dev.time_ms(lambda: proposer.propose(args.k), device)
     aux_step = out.aux_hidden[:, -2:]
 
     def extend_two():
         proposer.cache.rollback(committed - 2)
         proposer.committed = committed - 2
         proposer.extend(ids[:, -2:], aux_step)
-    ms["extend_2"] = timed(extend_two, device)
+    ms["extend_2"] = dev.time_ms(extend_two, device)
 
     eos = {tokenizer.eos_token_id}
     gens = {

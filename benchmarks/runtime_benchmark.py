@@ -74,22 +74,13 @@ def draft_cost_ratio(target: TargetModel, drafter: str, prompt, k: int) -> dict[
     proposer.extend(torch.cat([ids[:, 1:], out.logits[:, -1:].argmax(-1)], 1), out.aux_hidden)
     base = cache.length
 
-    def timed(fn, repeat=100):
-        fn()
-        dev.synchronize(target.device)
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        dev.synchronize(target.device)
-        return (time.perf_counter() - start) / repeat
-
     def target_step():
         cache.rollback(base)
         target.step(ids[:, -1:], cache)
 
-    step_s = timed(target_step)
-    chain_s = timed(lambda: proposer.propose(k))
-    return {"target_step_ms": step_s * 1e3, "draft_chain_ms": chain_s * 1e3, "c": chain_s / k / step_s}
+    step_ms = dev.time_ms(target_step, target.device, repeat=100)
+    chain_ms = dev.time_ms(lambda: proposer.propose(k), target.device, repeat=100)
+    return {"target_step_ms": step_ms, "draft_chain_ms": chain_ms, "c": chain_ms / k / step_ms}
 
 
 def main(argv=None) -> int:

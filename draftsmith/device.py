@@ -212,6 +212,20 @@ def graphs_supported(device: torch.device | str) -> bool:
     return _device_type(device) == "cuda" and os.environ.get("DRAFTSMITH_CUDA_GRAPHS", "1") != "0"
 
 
+def time_ms(fn, device: torch.device | str, repeat: int = 50) -> float:
+    """Mean milliseconds of `fn()` over `repeat` runs after one untimed run, synchronized around the loop: queued
+    kernels count, launch gaps included, as decoding sees them (benchmarks only)."""
+    import time
+
+    fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
 def runtime_attention():
     """Context for decoding: scaled-dot-product attention without the cuDNN backend.
 

@@ -201,3 +201,11 @@ def test_resolve_dtype_rejects_unknown_name():
 def test_distributed_backend_rejects_unknown_type():
     with pytest.raises(dev.DeviceError, match="no distributed backend"):
         dev.distributed_backend("mps")
+
+
+def test_time_ms_runs_once_untimed_then_repeat_times(monkeypatch):
+    calls, synced = [], []
+    monkeypatch.setattr(dev, "synchronize", lambda device: synced.append(len(calls)))
+    ms = dev.time_ms(lambda: calls.append(1), "cpu", repeat=7)
+    assert len(calls) == 8 and synced == [1, 8]  # warm-up, sync, 7 timed runs, sync
+    assert ms >= 0.0
