@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from draftsmith import device as dev
-from draftsmith.inference.eval import load_prompts, run_info, run_sweep
+from draftsmith.inference.eval import format_table, load_prompts, run_info, run_sweep
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.report import write_plots
+from draftsmith.inference.report import dataset_result, write_plots
 from draftsmith.inference.sampling import SamplingParams
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.checkpoint import write_json_atomic
@@ -31,15 +31,23 @@ from draftsmith.models.target import TargetModel
 TREES = [(4, 4, 16), (6, 8, 48)]  # (depth, top_k, total nodes): a small and an EAGLE-2-sized tree
 
 
-def spec_configs(drafter: str, ks: list[int]) -> list:
+METHODS = ("ngram", "chain", "suffix", "tree")  # chain and tree: EAGLE-3
+
+
+def spec_configs(drafter: str, ks: list[int], methods=METHODS) -> list:
     configs = []
     for k in ks:
-        configs.append({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1, "num_speculative_tokens": k})
-        configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
-    configs.append({"method": "suffix"})
-    for depth, top_k, nodes in TREES:
-        configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": nodes,
-                        "dynamic_tree": {"depth": depth, "top_k": top_k}})
+        if "ngram" in methods:
+            configs.append({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                            "num_speculative_tokens": k})
+        if "chain" in methods:
+            configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
+    if "suffix" in methods:
+        configs.append({"method": "suffix"})
+    if "tree" in methods:
+        for depth, top_k, nodes in TREES:
+            configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": nodes,
+                            "dynamic_tree": {"depth": depth, "top_k": top_k}})
     return [parse_spec_config(c) for c in configs]
 
 
@@ -92,7 +100,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="what to run besides plain decoding (chain, tree: EAGLE-3)")
     p.add_argument("--hf-num-prompts", type=int, default=16, help="prompts for Hugging Face generate (slow)")
+    p.add_argument("--hf-temperatures", type=float, nargs="*", default=None,
+                   help="temperatures at which to run Hugging Face generate (default: all)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -109,12 +121,21 @@ def main(argv=None) -> int:
                                          else [target.config.eos_token_id] if target.config.eos_token_id is not None
                                          else [])
     report = {**run_info(target, sys.argv), "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
-              "cost_ratio": {k: draft_cost_ratio(target, args.drafter, prompts[0], k) for k in args.ks},
+              "cost_ratio": ({k: draft_cost_ratio(target, args.drafter, prompts[0], k) for k in args.ks}
+                             if "chain" in args.methods else {}),
               "runs": {}}
-    specs = spec_configs(args.drafter, args.ks)
+    specs = spec_configs(args.drafter, args.ks, args.methods)
+    hf_temperatures = args.temperatures if args.hf_temperatures is None else args.hf_temperatures
     for temperature in args.temperatures:
         sampling = SamplingParams(temperature=temperature, seed=args.seed) if temperature > 0 else None
-        sweep = run_sweep(target, tokenizer, {"mt_bench": prompts}, specs, args.max_new_tokens, sampling=sampling)
+        key = f"temperature_{temperature:g}"
+
+        def save_partial(partial, key=key):  # after every config: a run cut short keeps what it measured
+            report["runs"][key] = partial
+            write_json_atomic(report, out / "runtime.json")
+
+        sweep = run_sweep(target, tokenizer, {"mt_bench": prompts}, specs, args.max_new_tokens, sampling=sampling,
+                          on_progress=save_partial)
         base = sweep["datasets"]["mt_bench"]["baseline"]["tokens_per_second"]
         for row in sweep["results"]:
             k = row["num_speculative_tokens"]
@@ -124,19 +145,31 @@ def main(argv=None) -> int:
                 ideal = tau / (1 + k * report["cost_ratio"][k]["c"])
                 row["ideal_speedup"] = ideal
                 row["fraction_of_ideal"] = row["speedup"] / ideal
-        hf_prompts = prompts[: args.hf_num_prompts]  # HF generate is slow: a subset, with our plain decoding on it
-        ours = [SpeculativeGenerator(target, None, 0).generate(torch.tensor([ids]), args.max_new_tokens, eos,
-                                                                sampling=sampling) for ids in hf_prompts]
-        sweep["hf_generate"] = {
-            "num_prompts": len(hf_prompts),
-            "plain": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, None),
-            "prompt_lookup_k3": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, 3),
-            "draftsmith_plain_tokens_per_second": sum(len(r.token_ids) for r in ours) / sum(r.seconds for r in ours),
-            "draftsmith_plain_tokens_per_second_all_prompts": base,
-        }
-        report["runs"][f"temperature_{temperature:g}"] = sweep
+        if temperature in hf_temperatures:
+            hf_prompts = prompts[: args.hf_num_prompts]  # HF generate is slow: a subset, with our plain decoding on it
+            ours = [SpeculativeGenerator(target, None, 0).generate(torch.tensor([ids]), args.max_new_tokens, eos,
+                                                                    sampling=sampling) for ids in hf_prompts]
+            sweep["hf_generate"] = {
+                "num_prompts": len(hf_prompts),
+                "plain": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, None),
+                "prompt_lookup_k3": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, 3),
+                "draftsmith_plain_tokens_per_second": sum(len(r.token_ids) for r in ours) / sum(r.seconds for r in ours),
+                "draftsmith_plain_tokens_per_second_all_prompts": base,
+            }
+        report["runs"][key] = sweep
         write_plots(sweep, out / f"t{temperature:g}")
-        write_json_atomic(report, out / "runtime.json")  # after each temperature: a run cut short keeps it
+        print(f"\ntemperature {temperature:g}\n" + format_table(dataset_result(sweep, "mt_bench")))
+        for row in sweep["results"]:
+            if "fraction_of_ideal" in row:
+                print(f"eagle3 k={row['num_speculative_tokens']}: c={report['cost_ratio'][row['num_speculative_tokens']]['c']:.3f} "
+                      f"ideal {row['ideal_speedup']:.2f}x, reached {row['speedup']:.2f}x = "
+                      f"{100 * row['fraction_of_ideal']:.0f}% of ideal")
+        hf = sweep.get("hf_generate")
+        if hf:
+            print(f"HF generate on {hf['num_prompts']} prompts: plain {hf['plain']['tokens_per_second']:.1f} tok/s, "
+                  f"prompt lookup {hf['prompt_lookup_k3']['tokens_per_second']:.1f} tok/s; draftsmith plain there "
+                  f"{hf['draftsmith_plain_tokens_per_second']:.1f} tok/s")
+        write_json_atomic(report, out / "runtime.json")
     print(f"wrote {out / 'runtime.json'}")
     return 0
 

@@ -388,3 +388,16 @@ def test_mtp_section_errors_say_the_fix():
     with pytest.raises(RecipeError, match="unknown key 'mtp.depths'"):
         recipe_from_dict({**base, "mtp": {"depths": 2}})
     assert recipe_from_dict(base, overrides=["mtp.num_depths=5"]).mtp.num_depths == 5
+
+
+def test_a_broken_mtp_config_names_the_file_and_line(tmp_path):
+    from draftsmith.models.mtp.io import MtpLoadError, read_mtp_folder
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text('{\n  "method": "mtp",\n  "hidden_size": 64,,\n}\n')
+    with pytest.raises(MtpLoadError, match=r"config\.json:3: invalid JSON"):
+        read_mtp_folder(folder)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(MtpLoadError, match=r"config\.json: expected a JSON object"):
+        read_mtp_folder(folder)

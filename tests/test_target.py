@@ -101,3 +101,36 @@ def test_a_drafter_for_another_target_is_refused_with_both_shapes(tiny_llama):
         target.check_drafter_fits("d", "drafter", vocab + 1, hidden, error=KeyError)
     with pytest.raises(ValueError, match=f"{layers + 1} layers; this target has .* and {layers} layers"):
         target.check_drafter_fits("m", "MTP drafter", vocab, hidden, layers + 1)
+
+
+def test_grouped_attention_equals_attention_over_repeated_kv_heads():
+    from draftsmith.models.target import attend, grouped_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 3, 16)
+    keys, values = torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    mask = torch.rand(2, 1, 3, 11) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    for m in (mask, None):
+        torch.testing.assert_close(grouped_attention(q, keys, values, m, 0.25), attend(q, keys, values, m, 0.25))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_layer_function_with_merged_projections_equals_module_step(kind):
+    """The function DRAFTSMITH_COMPILE=1 compiles (uncompiled here) reads merged q/k/v and gate/up matrices; the
+    modules' weights become views into them, so the module path is unchanged and both paths agree."""
+    model = _tiny(kind)
+    ids = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        want = model(ids).logits
+    target = TargetModel(model, compile_layers=True)
+    q_proj = model.model.layers[1].self_attn.q_proj
+    merged = target._layer_weights[1][1]
+    assert q_proj.weight.data_ptr() == merged.data_ptr() and merged.shape[0] == q_proj.weight.shape[0] + 2 * 2 * 16
+    target._compiled_layer = target._layer_step
+    cache = target.new_cache(1, 24)
+    target.step(ids[:, :6], cache)
+    logits, _ = target._layers_forward(ids[:, 6:], torch.arange(6, 10)[None], cache, None, None, None, (), None)
+    torch.testing.assert_close(logits, want[:, 6:], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want)  # the module path still computes the same

@@ -261,6 +261,25 @@ def test_drafter_tree_scores_equal_chain_drafting_along_each_path():
             assert logprob.item() == pytest.approx(tree.scores[0, node].item(), abs=1e-4)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("tree", [dict(dynamic_tree={"depth": 4, "top_k": 2}, num_nodes=12),
+                                  dict(token_tree=parse_token_tree("[(0,), (1,), (0, 0), (0, 0, 0)]"))],
+                         ids=["dynamic", "static"])
+def test_tree_proposal_states_a_depth_bound_that_holds(tree):
+    """`Proposal.depth` is how many levels sampling verification walks (without reading the device), so it must
+    never be below the depth of the tree drafted, and it follows the depth asked for."""
+    g = torch.Generator().manual_seed(2)
+    proposer, _, _ = small_proposer(**tree)
+    proposer.begin(torch.randint(0, VT, (1, 5), generator=g))
+    proposer.extend(torch.randint(0, VT, (1, 5), generator=g), torch.randn(1, 5, 2 * H, generator=g))
+    for asked in (1, 2, 3, 6):
+        proposal = proposer.propose(asked)
+        deepest = int(node_depths(ancestor_mask(proposal.parents)).max())
+        full = tree["dynamic_tree"]["depth"] if "dynamic_tree" in tree else 3
+        assert proposal.depth == min(asked, full) and deepest <= proposal.depth
+        assert deepest == proposal.depth or "dynamic_tree" in tree  # a static tree always fills its paths
+
+
 # ---- the fixture target -------------------------------------------------------------------------------------------
 @pytest.fixture
 def fixture_target(fixture_target_dir):

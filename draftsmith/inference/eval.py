@@ -310,7 +310,11 @@ def format_table(result: dict[str, Any], mark: dict[str, Any] | None = None) -> 
     for r in result["results"]:
         m = r["metrics"]
         tau = m["mean_acceptance_length"]
-        per_pos = " ".join("-" if p is None else f"{p:.2f}" for p in m["per_position_acceptance"])
+        positions = m["per_position_acceptance"]
+        tree = r["spec_config"].get("dynamic_tree")
+        if tree:  # a tree of k nodes is only `depth` deep: deeper positions are never drafted
+            positions = positions[: tree["depth"]]
+        per_pos = " ".join("-" if p is None else f"{p:.2f}" for p in positions)
         if "lossless_mismatches" not in r:
             lossless = "n/a"  # sampled outputs differ run to run; the distribution tests cover losslessness
         else:

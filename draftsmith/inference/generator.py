@@ -54,6 +54,7 @@ class _StepDrafts:
     lengths: Tensor  # (B,) valid chain drafts / tree nodes before the per-row depth cap
     parents: Tensor | None  # (B, w) tree parents, None for a chain
     draft_probs: Tensor | None  # (B, w, V) or None (one-hot drafts)
+    depth: int | None = None  # a tree's depth bound when the proposer gave one (`Proposal.depth`)
 
 
 class SpeculativeGenerator:
@@ -173,18 +174,21 @@ class SpeculativeGenerator:
             step_ids = torch.cat([last, drafts.token_ids.clamp_min(0)], dim=1)  # (B, 1+w) PAD -> any valid id
             if drafts.parents is not None:
                 node_valid = torch.arange(width, device=device)[None, :] < drafts.lengths[:, None]  # (B, w)
-                depths = node_depths(ancestor_mask(drafts.parents, node_valid))[:, 1:]  # (B, w)
-                node_valid = node_valid & (depths <= (cap[:, None] if cap is not None else num_drafts))
                 ancestors = ancestor_mask(drafts.parents, node_valid)  # (B, 1+w, 1+w)
+                if cap is not None:  # rows near their budget verify only the levels they can commit
+                    node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= cap[:, None])
+                    ancestors = ancestor_mask(drafts.parents, node_valid)
                 out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
                                   attention_mask=step_attention_mask(ancestors, valid, base),
                                   position_ids=row_positions + node_depths(ancestors))
                 if sampler is None:
                     accepted, tokens, path = greedy_tree_verify(drafts.token_ids, node_valid, drafts.parents,
-                                                                out.logits)
+                                                                out.logits, ancestors)
                 else:
+                    levels = num_drafts if drafts.depth is None else min(num_drafts, drafts.depth)  # walk steps
                     accepted, tokens, path = sampling_tree_verify(drafts.token_ids, node_valid, drafts.parents,
-                                                                  sampler.probs(out.logits), sampler, num_drafts)
+                                                                  sampler.probs(out.logits), sampler, levels,
+                                                                  ancestors)
                 drafted = node_valid.sum(dim=-1)
             else:
                 lengths = drafts.lengths if cap is None else torch.minimum(drafts.lengths, cap)
@@ -290,6 +294,7 @@ def _step_drafts(proposal: Proposal | None, num_drafts: int, batch: int, device:
         lengths=lengths.to(device, torch.long),
         parents=parents[:, :w].to(device, torch.long) if parents is not None else None,
         draft_probs=draft_probs[:, :w].to(device) if draft_probs is not None else None,
+        depth=proposal.depth,
     )
 
 

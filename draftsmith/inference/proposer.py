@@ -43,6 +43,7 @@ class Proposal:
     scores: Tensor | None = None  # (B, k) draft log-prob of each token given its parent, where the proposer has it
     parents: Tensor | None = None  # (B, k) int64 index of each node's parent in token_ids, ROOT_PARENT = the root
     draft_probs: Tensor | None = None  # (B, k, V) the distributions the drafts were *sampled* from; None = one-hot
+    depth: int | None = None  # a tree's deepest path, where the proposer knows it without reading the device
 
     def __post_init__(self) -> None:
         if self.token_ids.dim() != 2 or self.lengths.shape != self.token_ids.shape[:1]:

@@ -159,8 +159,8 @@ def _path_slots(ancestors: Tensor, depths: Tensor, best: Tensor) -> Tensor:
     return path[:, :slots]
 
 
-def greedy_tree_verify(node_ids: Tensor, node_valid: Tensor, parents: Tensor,
-                       target_logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def greedy_tree_verify(node_ids: Tensor, node_valid: Tensor, parents: Tensor, target_logits: Tensor,
+                       ancestors: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Accept the deepest tree path whose every node equals the target's argmax at its parent.
 
     node_ids (B, n), node_valid (B, n) bool, parents (B, n) as in `Proposal`; target_logits (B, n+1, V) over the
@@ -169,7 +169,8 @@ def greedy_tree_verify(node_ids: Tensor, node_valid: Tensor, parents: Tensor,
     the root, then the accepted nodes), identity past `accepted` (what `tree.compact_kv` keeps).
     """
     _check_tree("greedy_tree_verify", node_ids, node_valid, parents, target_logits)
-    ancestors = ancestor_mask(parents, node_valid)  # (B, n+1, n+1)
+    if ancestors is None:  # the caller may pass the mask it built the step from
+        ancestors = ancestor_mask(parents, node_valid)  # (B, n+1, n+1)
     depths = node_depths(ancestors)  # (B, n+1)
     target_ids = target_logits.argmax(dim=-1)  # (B, n+1) argmax at each slot
     parent_slot = torch.where(node_valid, parents + 1, torch.zeros_like(parents))  # (B, n)
@@ -184,7 +185,8 @@ def greedy_tree_verify(node_ids: Tensor, node_valid: Tensor, parents: Tensor,
 
 
 def sampling_tree_verify(node_ids: Tensor, node_valid: Tensor, parents: Tensor, target_probs: Tensor,
-                         sampler: Sampler, max_depth: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                         sampler: Sampler, max_depth: int | None = None,
+                         ancestors: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative sampling over a deterministic tree: walk down, trying each node's children in order.
 
     At the current node with target distribution p', child x is accepted with probability p'(x) (q = 1: tree
@@ -199,7 +201,8 @@ def sampling_tree_verify(node_ids: Tensor, node_valid: Tensor, parents: Tensor, 
     batch, n = node_ids.shape
     device = node_ids.device
     rows = torch.arange(batch, device=device)
-    ancestors = ancestor_mask(parents, node_valid)
+    if ancestors is None:
+        ancestors = ancestor_mask(parents, node_valid)
     depths = node_depths(ancestors)
     parent_slot = torch.where(node_valid, parents + 1, torch.full_like(parents, -1))  # (B, n); invalid -> none
     safe_ids = node_ids.clamp_min(0)

@@ -217,29 +217,35 @@ class TargetModel:
 
     def _compile_layers(self):
         """One compiled decoder-layer function for every layer (weights are its arguments, so all layers share
-        one compilation per step width), and each layer's weights in the order it takes them."""
+        one compilation per step width), and each layer's weights in the order it takes them.
+
+        The q/k/v and gate/up projections are merged into one matrix each, as serving engines do: a decode step
+        is a chain of matrix-vector products bound by reading weights, and one long read keeps the memory system
+        busier than three short ones (k_proj and v_proj of an 8B model are only 8 MB each). The modules' own
+        weights become views into the merged matrices, so this costs no memory and the module path (eager steps,
+        `generate` of transformers) sees the same numbers. The merge moves the weights: graphs that another
+        TargetModel of the same model recorded before are stale afterwards."""
         self._check_step_support()
         if getattr(self.config, "hidden_act", "silu") != "silu":
             raise TargetError(f"{COMPILE_ENV}=1 supports SiLU MLPs, not {self.config.hidden_act!r}")
         first = self.layers[0]
         eps = first.input_layernorm.variance_epsilon
-        head_dim = self.head_dim
+        head_dim, num_heads, num_kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
 
         def layer_step(hidden, cos, sin, mask, slots, keys, values, weights):
-            return decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim)
-
-        def linear(module):
-            return module.weight, module.bias
+            return decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim,
+                                        num_heads, num_kv_heads)
 
         self._layer_weights = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
             self._layer_weights.append((
-                layer.input_layernorm.weight, *linear(attn.q_proj), *linear(attn.k_proj), *linear(attn.v_proj),
-                *norms, *linear(attn.o_proj), layer.post_attention_layernorm.weight,
-                *linear(mlp.gate_proj), *linear(mlp.up_proj), *linear(mlp.down_proj),
+                layer.input_layernorm.weight, *_merge_linears(attn.q_proj, attn.k_proj, attn.v_proj),
+                *norms, attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                *_merge_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj.weight, mlp.down_proj.bias,
             ))
+        self._layer_step = layer_step  # uncompiled: the same math, for tests and debugging
         return torch.compile(layer_step, fullgraph=True)
 
     def _check_step_support(self):
@@ -370,16 +376,50 @@ def rms_norm(x, weight, eps):
     return weight * x.to(dtype)
 
 
-def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim):
+def _merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (weight, bias) whose output is the outputs of `linears` side by side; each module's weight (and bias)
+    is re-pointed at its rows of the merged tensor, so the merge allocates nothing that stays."""
+    weight = torch.cat([m.weight for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        raise TargetError("cannot merge projections of which only some have a bias")
+    bias = torch.cat([m.bias for m in linears]) if all(has_bias) else None
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
+def grouped_attention(q, keys, values, mask, scale):
+    """`attend` for grouped K/V heads without copying K/V once per query head: the queries of each K/V head are
+    stacked (B, kv, groups*T, hd), so keys and values are read once. Softmax in float32. Used by the compiled
+    static step, where the compiler fuses mask, softmax and casts; `mask` (B or 1, 1, T, S), True = may attend."""
+    batch, num_heads, num_new, head_dim = q.shape
+    num_kv = keys.shape[1]
+    q = q.reshape(batch, num_kv, num_heads // num_kv * num_new, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (B, kv, g*T, S)
+    if mask is not None:
+        scores = scores.view(batch, num_kv, -1, num_new, scores.shape[-1])
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf")).flatten(2, 3)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, num_heads, num_new, head_dim)
+
+
+def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim, num_heads,
+                         num_kv_heads):
     """One Llama-family decoder layer of the shape-static step (`_layers_forward` with start None) as a function of
     tensors only, which torch.compile fuses; the same math as the module path. K/V are written into `keys` /
-    `values` (B, kv, T_max, hd) at `slots`; `weights` as `TargetModel._compile_layers` lists them."""
-    (ln1, wq, bq, wk, bk, wv, bv, q_norm, k_norm, wo, bo, ln2, wg, bg, wu, bu, wd, bd) = weights
+    `values` (B, kv, T_max, hd) at `slots`; `weights` as `TargetModel._compile_layers` lists them (q/k/v and
+    gate/up merged)."""
+    (ln1, w_qkv, b_qkv, q_norm, k_norm, wo, bo, ln2, w_gate_up, b_gate_up, wd, bd) = weights
     batch, num_new, _ = hidden.shape
     x = rms_norm(hidden, ln1, eps)
-    q = F.linear(x, wq, bq).view(batch, num_new, -1, head_dim)
-    k = F.linear(x, wk, bk).view(batch, num_new, -1, head_dim)
-    v = F.linear(x, wv, bv).view(batch, num_new, -1, head_dim)
+    qkv = F.linear(x, w_qkv, b_qkv).view(batch, num_new, num_heads + 2 * num_kv_heads, head_dim)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=2)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -387,10 +427,11 @@ def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, e
     k = k * cos + _rotate_half(k) * sin
     keys.index_copy_(2, slots, k)
     values.index_copy_(2, slots, v)
-    out = attend(q, keys, values, mask, scale=head_dim ** -0.5)
+    out = grouped_attention(q, keys, values, mask, scale=head_dim ** -0.5)
     hidden = hidden + F.linear(out.transpose(1, 2).reshape(batch, num_new, -1), wo, bo)
     x = rms_norm(hidden, ln2, eps)
-    return hidden + F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+    gate, up = F.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, wd, bd)
 
 
 def _rotate_half(x):

@@ -185,18 +185,21 @@ class Eagle3Drafter(nn.Module):
         cache.length = end
         return self.midlayer.finish(out, hidden)
 
-    def step_static(self, embeds, hidden, cache: KVCache, position_ids):
-        """Shape-static `step` for CUDA graphs (B = 1): K/V are scattered at `position_ids` (1, T) and the queries
-        attend over the whole cache masked by position, so slots past the committed context (stale drafts, never
-        written slots) are not seen. Does not move `cache.length`: the caller does."""
+    def step_static(self, embeds, hidden, cache: KVCache, position_ids, attention_mask=None, slots=None):
+        """Shape-static `step` for CUDA graphs (B = 1): K/V are scattered at `slots` (T,) (default: the positions
+        of `position_ids` (1, T)) and the queries attend over the whole cache, masked by position, or by
+        `attention_mask` (1, 1, T, T_max) for a draft tree, so slots past the committed context (stale drafts,
+        never written slots) are not seen. Does not move `cache.length`: the caller does."""
         cos, sin = self.rope(embeds, position_ids)
         attn = self.midlayer.self_attn
         q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
-        slots = position_ids[0]  # (T,)
+        slots = position_ids[0] if slots is None else slots  # (T,)
         cache.keys[0].index_copy_(2, slots, k)
         cache.values[0].index_copy_(2, slots, v)
-        key_pos = torch.arange(cache.max_length, device=embeds.device)
-        mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (1, 1, T, T_max)
+        mask = attention_mask
+        if mask is None:
+            key_pos = torch.arange(cache.max_length, device=embeds.device)
+            mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (1, 1, T, T_max)
         out = attend(q, cache.keys[0], cache.values[0], mask, scale=attn.head_dim ** -0.5)
         return self.midlayer.finish(out, hidden)
 

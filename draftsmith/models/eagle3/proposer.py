@@ -63,7 +63,8 @@ class Eagle3Proposer:
         self.valid: Tensor | None = None  # (B, T_max) bool, used when ragged
         self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
         self._graphs_on = dev.graphs_supported(self.device)
-        self._graphs = dev.GraphPool()  # one request: ("chain", k | "extend", width; cache id) -> graph
+        self._graphs = dev.GraphPool()  # one request: ("chain", k | "extend", width | "tree", depth; cache id)
+        self._tree_slots: dict = {}  # tree graph key -> drafter cache slots its expansions take
 
     @classmethod
     def from_config(cls, spec, target) -> "Eagle3Proposer":
@@ -216,8 +217,43 @@ class Eagle3Proposer:
         return Proposal(token_ids=tokens.clone(), lengths=lengths, scores=scores.clone())
 
     def _propose_tree(self, max_depth: int) -> Proposal:
-        """Static or dynamic tree of at most `max_depth` levels; see tree.py."""
+        """Static or dynamic tree of at most `max_depth` levels; see tree.py. One request on CUDA replays the
+        whole tree (every expansion, the top-k ranking and the rerank) as one CUDA graph per depth."""
         batch = self.next_hidden.shape[0]
+        if self._graphs_on and batch == 1 and not self.ragged:
+            self._ensure_capacity(self.committed + self._max_tree_slots() + 1)
+            start = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
+            key = ("tree", max_depth, id(self.cache))
+
+            def record(hidden, start):
+                tokens, parents, scores, count = self._tree(hidden, self._static_level(start), max_depth)
+                self._tree_slots[key] = count  # known while recording, a constant of the graph
+                return tokens, parents, scores
+
+            tokens, parents, scores = (t.clone() for t in self._graphs.run(key, record, self.next_hidden, start))
+            self.cache.length = self.committed + self._tree_slots[key]  # the expanded nodes, as eager leaves them
+        else:
+            tokens, parents, scores, _ = self._tree(self.next_hidden, self._eager_level, max_depth)
+        lengths = torch.full((batch,), tokens.shape[1], dtype=torch.long, device=self.device)
+        if self.token_tree is not None:
+            depth = max(len(path) for path in self.token_tree)
+        else:
+            depth = self.dynamic_tree["depth"]
+        return Proposal(token_ids=tokens, lengths=lengths, scores=scores, parents=parents,
+                        depth=min(depth, max_depth))
+
+    def _max_tree_slots(self) -> int:
+        """Drafter cache slots a tree's expansions may take at most: one per expanded node."""
+        if self.token_tree is not None:
+            return len(self.token_tree)
+        return max(self.dynamic_tree["depth"] - 1, 0) * self.dynamic_tree["top_k"]
+
+    def _tree(self, root_hidden: Tensor, run_level, max_depth: int):
+        """Draft a tree from `root_hidden` (B, 1, H). `run_level(embeds, parent_hidden, tree_rows, depth)` runs
+        one drafter step over a level of m nodes whose `tree_rows` (B, m, E+m) mark, over the E nodes expanded
+        before and the level itself, what each node attends to besides the committed context. Returns target
+        token ids, parents, scores (each (B, n)) and the number of nodes expanded."""
+        batch = root_hidden.shape[0]
         expanded_hidden: list[Tensor] = []  # per expansion, (B, m, H) output hiddens
         expanded_depth: list[Tensor] = []  # per expansion, (B, m) depth of each expanded node
         state = {"ancestors": torch.zeros(batch, 0, 0, dtype=torch.bool, device=self.device)}  # (B, E, E)
@@ -225,7 +261,6 @@ class Eagle3Proposer:
         def expand(tokens: Tensor, parents: Tensor) -> Tensor:
             """tokens (B, m) draft ids whose parents (B, m) index earlier expanded nodes (ROOT_PARENT: the root)."""
             m = tokens.shape[1]
-            self._ensure_capacity(self.cache.length + m)
             anc = state["ancestors"]  # (B, E, E)
             count = anc.shape[1]
             is_root = parents == ROOT_PARENT
@@ -240,34 +275,56 @@ class Eagle3Proposer:
                 rows = rows | torch.nn.functional.one_hot(safe, count).bool()
                 rows = rows & ~is_root[..., None]
             else:
-                parent_hidden = torch.zeros(batch, m, self.next_hidden.shape[-1], dtype=self.next_hidden.dtype,
+                parent_hidden = torch.zeros(batch, m, root_hidden.shape[-1], dtype=root_hidden.dtype,
                                             device=self.device)
                 parent_depth = torch.zeros(batch, m, dtype=torch.long, device=self.device)
                 rows = torch.zeros(batch, m, 0, dtype=torch.bool, device=self.device)
-            parent_hidden = torch.where(is_root[..., None], self.next_hidden, parent_hidden)  # (B, m, H)
+            parent_hidden = torch.where(is_root[..., None], root_hidden, parent_hidden)  # (B, m, H)
             depth = torch.where(is_root, torch.zeros_like(parent_depth), parent_depth) + 1  # (B, m)
             own = torch.eye(m, dtype=torch.bool, device=self.device).expand(batch, -1, -1)  # (B, m, m)
-            # Cache slots: committed context, then the E expanded nodes in expansion order, then these m.
-            committed = (self.valid[:, None, : self.committed].expand(-1, m, -1) if self.ragged
-                         else torch.ones(batch, m, self.committed, dtype=torch.bool, device=self.device))
-            mask = torch.cat([committed, rows, own], dim=-1)[:, None]  # (B, 1, m, L+m)
+            tree_rows = torch.cat([rows, own], dim=-1)  # (B, m, E+m)
             state["ancestors"] = torch.cat([
                 torch.cat([anc, torch.zeros(batch, count, m, dtype=torch.bool, device=self.device)], dim=-1),
-                torch.cat([rows, own], dim=-1),
+                tree_rows,
             ], dim=1)  # (B, E+m, E+m)
             embeds = self.embed_tokens(self.drafter.draft_to_target(tokens))
-            positions = self.positions[:, None] + depth - 1  # (B, m)
-            out = self.drafter.step(embeds, parent_hidden, self.cache, attention_mask=mask, position_ids=positions)
+            out = run_level(embeds, parent_hidden, tree_rows, depth)
             expanded_hidden.append(out)
             expanded_depth.append(depth)
             return torch.log_softmax(self.drafter.logits(out).float(), dim=-1)  # (B, m, V_d)
 
-        root = torch.log_softmax(self.drafter.logits(self.next_hidden)[:, -1].float(), dim=-1)  # (B, V_d)
+        root = torch.log_softmax(self.drafter.logits(root_hidden)[:, -1].float(), dim=-1)  # (B, V_d)
         if self.token_tree is not None:
             tokens, parents, scores = static_tree(root, expand, self.token_tree, max_depth=max_depth)
         else:
             tokens, parents, scores = dynamic_tree(root, expand, self.dynamic_tree["depth"],
                                                    self.dynamic_tree["top_k"], self.num_nodes, max_depth=max_depth)
-        lengths = torch.full((batch,), tokens.shape[1], dtype=torch.long, device=self.device)
-        return Proposal(token_ids=self.drafter.draft_to_target(tokens), lengths=lengths, scores=scores,
-                        parents=parents)
+        return self.drafter.draft_to_target(tokens), parents, scores, state["ancestors"].shape[1]
+
+    def _eager_level(self, embeds, parent_hidden, tree_rows, depth):
+        """A tree level over the slots after cache.length: the committed context (per-row valid slots in a batch),
+        the nodes expanded before, the level itself."""
+        batch, m = depth.shape
+        self._ensure_capacity(self.cache.length + m)
+        committed = (self.valid[:, None, : self.committed].expand(-1, m, -1) if self.ragged
+                     else torch.ones(batch, m, self.committed, dtype=torch.bool, device=self.device))
+        mask = torch.cat([committed, tree_rows], dim=-1)[:, None]  # (B, 1, m, L+m)
+        positions = self.positions[:, None] + depth - 1  # (B, m)
+        return self.drafter.step(embeds, parent_hidden, self.cache, attention_mask=mask, position_ids=positions)
+
+    def _static_level(self, start: Tensor):
+        """`_eager_level` with fixed shapes for one request (CUDA graphs): the level's slots follow the E expanded
+        nodes after `start` (1, 1), the committed count, and its mask spans the whole cache."""
+        key_pos = torch.arange(self.cache.max_length, device=self.device)
+        relative = key_pos - start[0]  # (T_max,) slot - committed count
+
+        def run_level(embeds, parent_hidden, tree_rows, depth):
+            m, span = tree_rows.shape[1], tree_rows.shape[2]  # span = E + m slots after the committed ones
+            in_tree = (relative >= 0) & (relative < span)
+            spread = tree_rows.gather(2, relative.clamp(0, span - 1)[None, None].expand(1, m, -1)) & in_tree
+            mask = ((relative < 0) | spread)[:, None]  # (1, 1, m, T_max)
+            slots = start[0, 0] + span - m + torch.arange(m, device=self.device)  # (m,)
+            return self.drafter.step_static(embeds, parent_hidden, self.cache, start + depth - 1,
+                                            attention_mask=mask, slots=slots)
+
+        return run_level

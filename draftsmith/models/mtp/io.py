@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
+from draftsmith.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_json, resolve_checkpoint
 from draftsmith.models.mtp.config import METHOD, MtpDrafterConfig
 from draftsmith.models.mtp.model import MtpDrafter
 from draftsmith.models.mtp.native import NativeMtpError, find_native_mtp, local_folder, stack_experts
@@ -25,10 +24,10 @@ def read_mtp_folder(path: str | Path) -> tuple[MtpDrafterConfig, dict[str, torch
     if folder is None:
         raise MtpLoadError(f"{path}: no such folder (and not a Hub id in the local cache)")
     config_path = folder / CONFIG_FILE
-    raw = json.loads(config_path.read_text()) if config_path.is_file() else None
+    raw = _read_config(config_path) if config_path.is_file() else None
     if raw is None or raw.get("method") == METHOD:
         ckpt = resolve_checkpoint(folder)
-        raw = json.loads((ckpt / CONFIG_FILE).read_text())
+        raw = _read_config(ckpt / CONFIG_FILE)
         if raw.get("method") != METHOD:
             raise MtpLoadError(f"{ckpt / CONFIG_FILE}: method {raw.get('method')!r}, not an MTP drafter")
         return MtpDrafterConfig.from_dict(raw), load_file(str(ckpt / WEIGHTS_FILE))
@@ -52,6 +51,17 @@ def read_mtp_folder(path: str | Path) -> tuple[MtpDrafterConfig, dict[str, torch
                                           target_name_or_path=str(path))
     probe = MtpDrafter(config)  # only for the expected names and shapes (small: one block per module)
     return config, native.drafter_state_dict(native.num_modules, probe)
+
+
+def _read_config(path: Path) -> dict:
+    """A config.json as a dict; a broken or non-object file is an MtpLoadError naming it (and the line)."""
+    try:
+        raw = read_json(path)
+    except CheckpointError as e:
+        raise MtpLoadError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise MtpLoadError(f"{path}: expected a JSON object")
+    return raw
 
 
 def load_mtp_drafter(path: str | Path, device="cpu", dtype=torch.float32, layer_cls=None) -> MtpDrafter:
