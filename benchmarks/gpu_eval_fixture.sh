@@ -11,21 +11,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
 BUDGET="${BUDGET:-560}"  # seconds for the whole script
-mkdir -p "$OUT" .devdata/dflash_run1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-[ -d .fixture/sharegpt-llama-19m ] || xz -dc .devdata/final/fixture.tar.xz | tar -x
-[ -d .devdata/eagle3_run1 ] || tar -C .devdata -xJf .devdata/final/drafters.tar.xz
-[ -d .devdata/dflash_run1/dflash ] || tar -C .devdata/dflash_run1 -xJf .devdata/final/dflash_export.tar.xz
+mkdir -p "$OUT"
+source benchmarks/device_inputs.sh
+device_python_env
+unpack_fixture_inputs
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) > "$OUT/gpu_tests.log"
 
-# GPU tests need the shared fixtures where tests/conftest.py looks for them.
-mkdir -p ../shared/fixtures/targets ../shared/data/mt_bench
-[ -d ../shared/fixtures/targets/sharegpt-llama-19m ] || cp -r .fixture/sharegpt-llama-19m ../shared/fixtures/targets/
-[ -f ../shared/data/mt_bench/question.jsonl ] || cp .devdata/question.jsonl ../shared/data/mt_bench/
+place_shared_fixtures  # the GPU tests read the fixture where tests/conftest.py looks
 [ -n "${SKIP_GPU_TESTS:-}" ] || timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log"
 
 TARGET=.fixture/sharegpt-llama-19m

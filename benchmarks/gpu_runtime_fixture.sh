@@ -6,8 +6,8 @@
 #   STAGE=t0 / t1   runtime_benchmark.py at temperature 0 / 1: plain, n-gram, suffix, EAGLE-3 chains k=1..7 and
 #                   two dynamic trees, Hugging Face generate plain and prompt-lookup, fraction of the ideal speedup
 #   STAGE=trees     the tree GPU tests, the EAGLE-3 dynamic trees in float32 against plain decoding (lossless?),
-#                   then runtime_benchmark.py for the trees alone at temperatures 0 and 1, with Hugging Face
-#                   generate at temperature 1; BUDGET seconds in all
+#                   then runtime_benchmark.py for the trees alone at TEMPERATURES (default "0 1"), with Hugging
+#                   Face generate at temperature 1; BUDGET seconds in all
 #
 # Inputs as for gpu_eval_fixture.sh: .fixture/ and .devdata/eagle3_run1, or their xz tarballs in .devdata/final/
 # (benchmarks/README.md), .devdata/question.jsonl, and wheels in .whl/. Results go to $OUT.
@@ -16,21 +16,15 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
 STAGE="${STAGE:?set STAGE=tests_8b, t0, t1 or trees}"
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-[ -d .fixture/sharegpt-llama-19m ] || xz -dc .devdata/final/fixture.tar.xz | tar -x
-[ -d .devdata/eagle3_run1 ] || tar -C .devdata -xJf .devdata/final/drafters.tar.xz
+source benchmarks/device_inputs.sh
+device_python_env
+unpack_fixture_inputs
 TARGET=.fixture/sharegpt-llama-19m EAGLE3=.devdata/eagle3_run1
 
 case "$STAGE" in
   tests_8b)
     (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) > "$OUT/gpu_tests.log"
-    mkdir -p ../shared/fixtures/targets ../shared/data/mt_bench  # where tests/conftest.py looks
-    [ -d ../shared/fixtures/targets/sharegpt-llama-19m ] || cp -r $TARGET ../shared/fixtures/targets/
-    [ -f ../shared/data/mt_bench/question.jsonl ] || cp .devdata/question.jsonl ../shared/data/mt_bench/
+    place_shared_fixtures
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_gpu.py 2>&1 \
       | tail -25 | tee -a "$OUT/gpu_tests.log"
     timeout "${DECODE_TIMEOUT:-330}" python3 benchmarks/decode_8b_shape.py --out "$OUT/decode_8b_shape.json" 2>&1 \
@@ -44,9 +38,7 @@ case "$STAGE" in
   trees)
     BUDGET="${BUDGET:-440}"
     left() { echo $(( BUDGET - SECONDS )); }
-    mkdir -p ../shared/fixtures/targets ../shared/data/mt_bench
-    [ -d ../shared/fixtures/targets/sharegpt-llama-19m ] || cp -r $TARGET ../shared/fixtures/targets/
-    [ -f ../shared/data/mt_bench/question.jsonl ] || cp .devdata/question.jsonl ../shared/data/mt_bench/
+    place_shared_fixtures
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k tree 2>&1 | tail -3 | tee "$OUT/trees.log"
     trees=(--speculative-config "{\"method\":\"eagle3\",\"model\":\"$EAGLE3\",\"num_speculative_tokens\":16,\"dynamic_tree\":{\"depth\":4,\"top_k\":4}}"
            --speculative-config "{\"method\":\"eagle3\",\"model\":\"$EAGLE3\",\"num_speculative_tokens\":48,\"dynamic_tree\":{\"depth\":6,\"top_k\":8}}")
@@ -54,7 +46,7 @@ case "$STAGE" in
       --num-prompts 12 --dtype float32 --max-new-tokens 256 --out "$OUT/tree_fp32" "${trees[@]}" 2>&1 \
       | grep -v "Loading weights\|it/s\]" | tail -8 | tee -a "$OUT/trees.log"
     timeout "$(left)" python3 benchmarks/runtime_benchmark.py --target $TARGET --drafter $EAGLE3 \
-      --dataset .devdata/question.jsonl --dtype bfloat16 --methods tree --temperatures 0 1 --hf-temperatures 1 --hf-num-prompts 8 \
+      --dataset .devdata/question.jsonl --dtype bfloat16 --methods tree --temperatures ${TEMPERATURES:-0 1} --hf-temperatures 1 --hf-num-prompts 8 \
       --out "$OUT/trees_bf16" 2>&1 | grep -v "Loading weights\|it/s\]" | tail -20 | tee -a "$OUT/trees.log"
     ;;
   *) echo "unknown STAGE=$STAGE (tests_8b, t0, t1 or trees)" >&2; exit 2 ;;

@@ -16,11 +16,9 @@ case "$METHOD" in
   dflash) FORMAT=dflash ;;
   *) echo "METHOD must be eagle3, mtp or dflash, not '$METHOD'" >&2; exit 2 ;;
 esac
-if [ -d .whl ]; then  # packages missing on the GPU machine travel as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=20
+source benchmarks/device_inputs.sh
+device_python_env
+export TQDM_MININTERVAL=20
 OUT="${OUT:-benchmarks/results/local}"
 RUN="runs/$METHOD-fixture"
 mkdir -p "$OUT"

@@ -202,3 +202,24 @@ def test_cli_generate_json_and_errors(fixture_target_dir, capsys):
                "--dataset", "/nonexistent/q.jsonl", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2 and "/nonexistent/q.jsonl" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_compile_flag_reaches_the_target(fixture_target_dir, capsys, monkeypatch):
+    """`--compile` builds the target with its decoder layers compiled for graphed steps (DRAFTSMITH_COMPILE=1);
+    without it the environment decides, and on the CPU (no graphs) the output is the same either way."""
+    from draftsmith.cli import main
+    from draftsmith.models.target import TargetModel
+
+    built = []
+    real_init = TargetModel.__init__
+    monkeypatch.setattr(TargetModel, "__init__",
+                        lambda self, *a, **kw: real_init(self, *a, **kw) or built.append(self))
+    monkeypatch.delenv("DRAFTSMITH_COMPILE", raising=False)
+    outputs = []
+    for flags in ([], ["--compile"]):
+        rc = main(["generate", "--target", str(fixture_target_dir), "--prompt", "Tell me about the ocean.",
+                   "--max-new-tokens", "8", "--json", "--device", "cpu", "--dtype", "float32", *flags])
+        assert rc == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert [t._compiled_layer is not None for t in built] == [False, True]
+    assert outputs[0] == outputs[1]

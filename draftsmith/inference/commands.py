@@ -27,6 +27,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, npu, npu:N (default: the accelerator found)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="target dtype (auto: bf16 on accelerators, float32 on CPU; losslessness is exact in float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="fuse the target's decoder layers with torch.compile in its CUDA-graph steps (as "
+                        "DRAFTSMITH_COMPILE=1; a warm-up of seconds; no effect without CUDA graphs)")
     # vLLM's SamplingParams names; speculation keeps the output distribution of plain sampling with them.
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: all)")
@@ -84,7 +87,8 @@ def _load(args: argparse.Namespace, spec_texts: list[str]):
     device = dev.get_device(args.device)
     specs = [parse_spec_config(text, device_type=device.type) for text in spec_texts]
     tokenizer = _load_tokenizer(args.target)
-    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device)
+    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device,
+                                         compile_layers=True if args.compile else None)
     return specs, tokenizer, target
 
 
@@ -156,7 +160,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     paths = name_datasets(args.dataset)
     tokenizer = _load_tokenizer(args.target)
     prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts) for name, path in paths.items()}
-    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device)
+    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device,
+                                         compile_layers=True if args.compile else None)
 
     out = Path(args.out)
     sweep = run_sweep(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty(),

@@ -112,7 +112,7 @@ class TargetModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
-                        attn_implementation: str = "sdpa") -> "TargetModel":
+                        attn_implementation: str = "sdpa", compile_layers: bool | None = None) -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         device = dev.get_device(device) if not isinstance(device, torch.device) else device
@@ -123,7 +123,7 @@ class TargetModel:
             )
         except OSError as e:
             raise TargetError(f"cannot load target model from {path}: {str(e).splitlines()[0]}") from e
-        return cls(model.to(device), name_or_path=str(path))
+        return cls(model.to(device), name_or_path=str(path), compile_layers=compile_layers)
 
     # ---- pieces the drafters share -------------------------------------------------------------
     @property
