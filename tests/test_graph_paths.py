@@ -142,3 +142,25 @@ def test_compiled_decoder_layers_decode_what_the_module_path_decodes(fixture_tar
     logits_b = compiled.step(prompt[:, 5:8], cache_b).logits
     torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-4)
     assert len(calls) >= compiled.num_layers
+
+
+def test_a_failing_compile_falls_back_to_the_module_path(fixture_target_dir, mt_bench_path, recorded_graphs):
+    """torch.compile can fail on a user's stack (Triton missing or mismatched): decoding warns once, drops the
+    compiled layers and gives the module path's tokens."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+
+    modules = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    compiled = TargetModel(modules.model, compile_layers=True)
+
+    def broken(*args):
+        raise RuntimeError("triton: no such kernel\nmore detail")
+
+    compiled._compiled_layer = broken
+    prompt = torch.tensor([load_prompts(mt_bench_path, AutoTokenizer.from_pretrained(fixture_target_dir), limit=1)[0]])
+    want = SpeculativeGenerator(modules, None, 0).generate(prompt, 10).token_ids
+    with pytest.warns(UserWarning, match=r"DRAFTSMITH_COMPILE: torch.compile of the decoder layers failed "
+                                         r"\(RuntimeError: triton: no such kernel\); continuing without it"):
+        got = SpeculativeGenerator(compiled, None, 0).generate(prompt, 10).token_ids
+    assert got == want and compiled._compiled_layer is None

@@ -15,6 +15,7 @@ final norm.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,7 +365,17 @@ class TargetModel:
         def run(ids, positions, mask=None, slots=None):
             return self._layers_forward(ids, positions, cache, None, None, mask, aux_ids, logits_to_keep, slots=slots)
 
-        logits, aux = self._graphs.run(key, run, *inputs)
+        try:
+            logits, aux = self._graphs.run(key, run, *inputs)
+        except Exception as e:  # noqa: BLE001 - a compiler failure must not end the generation
+            if self._compiled_layer is None:
+                raise
+            # torch.compile fails on some stacks (a missing or mismatched Triton, say); the compile happens in the
+            # first, untimed run of a new graph, before anything is recorded, so the module path can take over.
+            warnings.warn(f"{COMPILE_ENV}: torch.compile of the decoder layers failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); continuing without it", stacklevel=3)
+            self._compiled_layer = None
+            logits, aux = self._graphs.run(key, run, *inputs)
         return logits.clone(), aux.clone() if aux is not None else None
 
 
