@@ -106,7 +106,9 @@ class TableProposer:
             tokens, parents, scores = static_tree(root, expand, self.tree, max_depth=max_depth)
         else:
             tokens, parents, scores = dynamic_tree(root, expand, *self.dynamic, self.nodes, max_depth=max_depth)
-        return Proposal(tokens, torch.full((tokens.shape[0],), tokens.shape[1]), scores=scores, parents=parents)
+        depth = max(map(len, self.tree)) if self.tree is not None else self.dynamic[0]
+        return Proposal(tokens, torch.full((tokens.shape[0],), tokens.shape[1]), scores=scores, parents=parents,
+                        depth=min(depth, max_depth))  # the walk stops at the tree's depth, as with EAGLE-3
 
 
 @torch.no_grad()

@@ -175,9 +175,10 @@ class SpeculativeGenerator:
             if drafts.parents is not None:
                 node_valid = torch.arange(width, device=device)[None, :] < drafts.lengths[:, None]  # (B, w)
                 ancestors = ancestor_mask(drafts.parents, node_valid)  # (B, 1+w, 1+w)
-                if cap is not None:  # rows near their budget verify only the levels they can commit
-                    node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= cap[:, None])
-                    ancestors = ancestor_mask(drafts.parents, node_valid)
+                # Only the levels a row can commit are verified: a deeper node (and so its subtree) turns invalid.
+                # Its mask row may stay: no valid node has it as an ancestor, and an invalid node is never accepted.
+                node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= (cap[:, None] if cap is not None
+                                                                              else num_drafts))
                 out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
                                   attention_mask=step_attention_mask(ancestors, valid, base),
                                   position_ids=row_positions + node_depths(ancestors))
