@@ -6,8 +6,8 @@
 #   STAGE=t0 / t1   runtime_benchmark.py at temperature 0 / 1: plain, n-gram, suffix, EAGLE-3 chains k=1..7 and
 #                   two dynamic trees, Hugging Face generate plain and prompt-lookup, fraction of the ideal speedup
 #   STAGE=trees     the tree GPU tests, the EAGLE-3 dynamic trees in float32 against plain decoding (lossless?),
-#                   then runtime_benchmark.py for the trees alone at TEMPERATURES (default "0 1"), with Hugging
-#                   Face generate at temperature 1; BUDGET seconds in all
+#                   then runtime_benchmark.py for the trees alone (or METHODS, e.g. "tree hybrid", at KS) at
+#                   TEMPERATURES (default "0 1"), with Hugging Face generate at temperature 1; BUDGET seconds in all
 #
 # Inputs as for gpu_eval_fixture.sh: .fixture/ and .devdata/eagle3_run1, or their xz tarballs in .devdata/final/
 # (benchmarks/README.md), .devdata/question.jsonl, and wheels in .whl/. Results go to $OUT.
@@ -46,7 +46,7 @@ case "$STAGE" in
       --num-prompts 12 --dtype float32 --max-new-tokens 256 --out "$OUT/tree_fp32" "${trees[@]}" 2>&1 \
       | grep -v "Loading weights\|it/s\]" | tail -8 | tee -a "$OUT/trees.log"
     timeout "$(left)" python3 benchmarks/runtime_benchmark.py --target $TARGET --drafter $EAGLE3 \
-      --dataset .devdata/question.jsonl --dtype bfloat16 --methods tree --temperatures ${TEMPERATURES:-0 1} --hf-temperatures 1 --hf-num-prompts 8 \
+      --dataset .devdata/question.jsonl --dtype bfloat16 --methods ${METHODS:-tree} --ks ${KS:-1 2 3 4 5 6 7} --temperatures ${TEMPERATURES:-0 1} --hf-temperatures 1 --hf-num-prompts 8 \
       --out "$OUT/trees_bf16" 2>&1 | grep -v "Loading weights\|it/s\]" | tail -20 | tee -a "$OUT/trees.log"
     ;;
   *) echo "unknown STAGE=$STAGE (tests_8b, t0, t1 or trees)" >&2; exit 2 ;;

@@ -31,10 +31,12 @@ from draftsmith.models.target import TargetModel
 TREES = [(4, 4, 16), (6, 8, 48)]  # (depth, top_k, total nodes): a small and an EAGLE-2-sized tree
 
 
-METHODS = ("ngram", "chain", "suffix", "tree")  # chain and tree: EAGLE-3
+METHODS = ("ngram", "chain", "suffix", "tree", "hybrid")  # chain, tree, hybrid: EAGLE-3 (hybrid: + suffix)
+DEFAULT_METHODS = ("ngram", "chain", "suffix", "tree")
+HYBRID_MIN_SCORE = 1.0
 
 
-def spec_configs(drafter: str, ks: list[int], methods=METHODS) -> list:
+def spec_configs(drafter: str, ks: list[int], methods=DEFAULT_METHODS) -> list:
     configs = []
     for k in ks:
         if "ngram" in methods:
@@ -42,6 +44,9 @@ def spec_configs(drafter: str, ks: list[int], methods=METHODS) -> list:
                             "num_speculative_tokens": k})
         if "chain" in methods:
             configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
+        if "hybrid" in methods:
+            configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
+                            "suffix_hybrid": {"min_score": HYBRID_MIN_SCORE}})
     if "suffix" in methods:
         configs.append({"method": "suffix"})
     if "tree" in methods:
@@ -115,8 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="what to run besides plain decoding (chain, tree: EAGLE-3)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                   help="what to run besides plain decoding (chain, tree: EAGLE-3; hybrid: EAGLE-3 chains with "
+                        f"suffix_hybrid min_score {HYBRID_MIN_SCORE}, not run by default)")
     p.add_argument("--hf-num-prompts", type=int, default=16, help="prompts for Hugging Face generate (slow)")
     p.add_argument("--hf-temperatures", type=float, nargs="*", default=None,
                    help="temperatures at which to run Hugging Face generate (default: all)")
@@ -156,7 +162,8 @@ def main(argv=None) -> int:
         for row in sweep["results"]:
             k = row["num_speculative_tokens"]
             tau = row["metrics"].get("mean_acceptance_length")
-            if row["method"] == "eagle3" and "dynamic_tree" not in json.dumps(row["spec_config"]) and tau and \
+            chain = not {"dynamic_tree", "suffix_hybrid"} & row["spec_config"].keys()
+            if row["method"] == "eagle3" and chain and tau and \
                     report["draft_step"]:
                 ideal = tau / (1 + k * report["draft_step"]["c"])
                 row["ideal_speedup"] = ideal

@@ -24,7 +24,7 @@ from draftsmith.inference.eval import format_table, series_key
 
 SPEEDUP_TIE_TOLERANCE = 0.01  # timing noise between runs of one config is about 1% on a quiet GPU
 VLLM_KEY_ORDER = ("method", "model", "num_speculative_tokens")  # then the method's own keys, as measured
-NOT_IN_VLLM = frozenset({"dynamic_tree"})  # draftsmith's EAGLE-2 dynamic tree: vLLM serves chains and static trees
+NOT_IN_VLLM = frozenset({"dynamic_tree", "suffix_hybrid"})  # draftsmith's own: the EAGLE-2 dynamic tree, the hybrid
 
 
 def dataset_result(sweep: Mapping[str, Any], name: str) -> dict[str, Any]:

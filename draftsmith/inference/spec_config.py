@@ -51,6 +51,7 @@ TREE_KEY_ALIASES = ("spec_token_tree", "token_tree", "tree")
 SCORED_METHODS = ("eagle3", "eagle")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's draft_sample_method values; greedy is its default
 DYNAMIC_TREE_KEYS = ("depth", "top_k")
+HYBRID_KEYS = ("min_score",)
 # vLLM's suffix_decoding_* defaults (vllm/config/speculative.py); suffix's num_speculative_tokens defaults to the depth.
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
                    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
@@ -75,6 +76,7 @@ class SpecConfig:
     draft_sample_method: str | None = None  # "greedy" (drafts count as one-hot) or "probabilistic"; None = greedy
     speculative_token_tree: str | None = None  # vLLM's static tree, paths of child ranks: "[(0,), (1,), (0, 0)]"
     dynamic_tree: dict[str, int] | None = None  # EAGLE-2 tree {"depth": d, "top_k": k}; nodes kept = k_spec
+    suffix_hybrid: dict[str, float] | None = None  # {"min_score": s}: suffix drafts where they score >= s
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -203,6 +205,35 @@ def _tree_options(raw: Mapping[str, Any], method: str) -> dict[str, Any]:
     return opts
 
 
+def _hybrid_options(raw: Mapping[str, Any], method: str, tree: Mapping[str, Any]) -> dict[str, Any]:
+    """suffix_hybrid (draftsmith's, not vLLM's): a drafter's greedy chain, replaced per step and row by the suffix
+    draft when that draft's score (its expected accepted length by the suffix counts) reaches `min_score`. The
+    suffix_decoding_* keys then set its suffix half."""
+    hybrid = raw.get("suffix_hybrid")
+    if hybrid is None:
+        return {}
+    if method not in SCORED_METHODS:
+        raise SpecConfigError(f"speculative config: suffix_hybrid pairs suffix decoding with a drafter "
+                              f"({', '.join(SCORED_METHODS)}), not {method!r}")
+    if tree or raw.get("draft_sample_method") == "probabilistic":
+        raise SpecConfigError("speculative config: suffix_hybrid drafts greedy chains; drop the tree or "
+                              "draft_sample_method 'probabilistic'")
+    if not isinstance(hybrid, Mapping):
+        raise SpecConfigError(f"speculative config: suffix_hybrid must be an object like {{\"min_score\": 2.0}}, "
+                              f"got {hybrid!r}")
+    for key in hybrid:
+        if key not in HYBRID_KEYS:
+            close = difflib.get_close_matches(str(key), HYBRID_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecConfigError(f"speculative config: unknown key suffix_hybrid.{key}{hint}; "
+                                  f"known: {', '.join(HYBRID_KEYS)}")
+    score = hybrid.get("min_score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not score > 0:
+        raise SpecConfigError(f"speculative config: suffix_hybrid.min_score must be a number > 0, got {score!r}")
+    given = {key: value for key, value in _suffix_options(raw).items() if key in raw}  # defaults stay implicit
+    return {"suffix_hybrid": {"min_score": float(score)}, **given}
+
+
 def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | None = None) -> SpecConfig:
     """Parse a vLLM speculative config given as a JSON string or a dict.
 
@@ -239,6 +270,7 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
     tree = _tree_options(raw, method)
     if "num_speculative_tokens" in tree:  # a static tree sets the node count
         raw = {**raw, "num_speculative_tokens": tree.pop("num_speculative_tokens")}
+    hybrid = _hybrid_options(raw, method, tree)
     if raw.get("num_speculative_tokens") is None:
         raise SpecConfigError("speculative config: 'num_speculative_tokens' is required (an integer > 0)")
     k = _positive_int("num_speculative_tokens", raw["num_speculative_tokens"])
@@ -258,7 +290,7 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
             f"use num_speculative_tokens <= {NPU_MAX_TOKENS_PER_ROUND - 1}"
         )
     return SpecConfig(method=method, num_speculative_tokens=k, model=model,
-                      prompt_lookup_max=high, prompt_lookup_min=low, **suffix, **tree)
+                      prompt_lookup_max=high, prompt_lookup_min=low, **suffix, **tree, **hybrid)
 
 
 def build_proposer(spec: SpecConfig, target):
@@ -273,4 +305,13 @@ def build_proposer(spec: SpecConfig, target):
         raise SpecConfigError(
             f"speculative config: method {spec.method!r}: cannot load {PROPOSERS[spec.method]} ({e})"
         ) from None
-    return cls.from_config(spec, target)
+    proposer = cls.from_config(spec, target)
+    if spec.suffix_hybrid is not None:
+        from draftsmith.inference.hybrid import SuffixHybridProposer
+        from draftsmith.inference.suffix import SuffixProposer
+
+        settings = {key: default if getattr(spec, key) is None else getattr(spec, key)
+                    for key, default in SUFFIX_DEFAULTS.items()}
+        suffix = SuffixProposer.from_config(dataclasses.replace(spec, **settings))
+        proposer = SuffixHybridProposer(proposer, suffix, spec.suffix_hybrid["min_score"])
+    return proposer

@@ -198,6 +198,11 @@ class SuffixProposer:
         )
 
     @property
+    def num_rows(self) -> int:
+        """Requests of the current `begin` (rows of the batch)."""
+        return len(self._contexts)
+
+    @property
     def cached_requests(self) -> list[int]:
         """Ids of the requests whose outputs are in the global trie, oldest first (ids count `begin` rows)."""
         return list(self._cached)

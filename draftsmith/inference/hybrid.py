@@ -1,0 +1,65 @@
+"""Suffix decoding and a trained drafter behind one proposer: per step and row, the better bet of the two.
+
+Suffix decoding drafts for free (a CPU trie walk) and is right for long stretches where the output repeats the
+prompt or earlier answers; a trained drafter (EAGLE-3) is right more often elsewhere but costs a forward per
+token. So each step first asks the suffix tries: a row whose suffix draft scores at least `min_score` (the
+draft's expected accepted length by the suffix counts, `suffix.path_score`) takes it, and the drafter runs only
+when some row does not. Both halves see every committed token (`extend`), so either can draft at any step.
+
+This is draftsmith's own combination, as in ArcticInference's suffix + draft-model mode; vLLM does not serve it
+(`suffix_hybrid` in the speculative config). Drafts are one-hot either way (greedy drafter chains), so
+verification and sampling stay lossless like any chain.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.inference.suffix import SuffixProposer, path_score
+
+
+class SuffixHybridProposer:
+    def __init__(self, drafter, suffix: SuffixProposer, min_score: float):
+        self.drafter = drafter
+        self.suffix = suffix
+        self.min_score = min_score
+        self.aux_layer_ids = drafter.aux_layer_ids
+        self.suffix_steps = 0  # rows x steps that took the suffix draft (for reports and tests)
+        self.drafter_steps = 0
+
+    def begin(self, prompt_ids: Tensor, sampler=None) -> None:
+        self.drafter.begin(prompt_ids, sampler)
+        self.suffix.begin(prompt_ids, sampler)
+
+    def extend(self, token_ids: Tensor, aux_hidden: Tensor | None) -> None:
+        self.drafter.extend(token_ids, aux_hidden)
+        self.suffix.extend(token_ids)
+
+    def propose(self, num_tokens: int) -> Proposal:
+        batch = self.suffix.num_rows
+        drafts = [self.suffix.draft(b, num_tokens) if num_tokens > 0 else ([], []) for b in range(batch)]
+        use_suffix = [bool(tokens) and path_score(ratios) >= self.min_score for tokens, ratios in drafts]
+        self.suffix_steps += sum(use_suffix)
+        self.drafter_steps += batch - sum(use_suffix)
+        if all(use_suffix):  # the drafter is not run; the lengths stay on the CPU, as suffix's own
+            return self._suffix_proposal(drafts, num_tokens, "cpu")
+        proposal = self.drafter.propose(num_tokens)
+        if not any(use_suffix):
+            return proposal
+        device = proposal.token_ids.device
+        mine = self._suffix_proposal(drafts, proposal.token_ids.shape[1], device)
+        rows = torch.tensor(use_suffix, device=device)
+        return Proposal(token_ids=torch.where(rows[:, None], mine.token_ids, proposal.token_ids),
+                        lengths=torch.where(rows, mine.lengths, proposal.lengths.to(device)))
+
+    @staticmethod
+    def _suffix_proposal(drafts, width: int, device) -> Proposal:
+        token_ids = torch.full((len(drafts), width), PAD_DRAFT_TOKEN, dtype=torch.long)
+        lengths = torch.zeros(len(drafts), dtype=torch.long)
+        for b, (tokens, _) in enumerate(drafts):
+            tokens = tokens[:width]
+            token_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            lengths[b] = len(tokens)
+        return Proposal(token_ids=token_ids.to(device), lengths=lengths.to(device))
