@@ -225,3 +225,18 @@ def test_sampled_eval_reports_temperature_and_skips_the_token_comparison(tiny_ll
     assert result["temperature"] == 1.0 and result["sampling"]["seed"] == 0
     assert "lossless_mismatches" not in r  # sampled outputs are compared in distribution (test_sampling), not here
     assert format_table(result).splitlines()[-1].split()[-1] == "n/a"
+
+
+def test_report_explains_outputs_that_differ_from_plain_decoding():
+    """Differing greedy outputs are a bug in float32 and rounding in bf16; the report says which, once."""
+    def sweep(mismatches):
+        r = {**row("eagle3", 3, 1.5), "dataset": "d", "lossless_mismatches": mismatches,
+             "metrics": {"mean_acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.3, 0.2]}}
+        return {"datasets": {"d": {"num_prompts": 4, "baseline": {"tokens_per_second": 10.0}}}, "results": [r],
+                "max_new_tokens": 8, "temperature": 0.0}
+
+    clean = format_report(sweep(0), dtype="bfloat16")
+    assert "note:" not in clean and "WARNING" not in clean
+    bf16 = format_report(sweep(2), dtype="bfloat16")
+    assert "note: 1 config(s) differ from plain decoding in bfloat16" in bf16 and "--dtype float32" in bf16
+    assert "WARNING: 1 config(s) changed greedy outputs in float32" in format_report(sweep(2), dtype="float32")

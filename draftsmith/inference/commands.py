@@ -168,7 +168,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
                       sampling=sampling, dataset_paths={name: str(path) for name, path in paths.items()},
                       on_progress=lambda partial: write_eval_json(partial, out / "eval.json", target))
     add_recommendations(sweep, tie_tolerance)
-    report = format_report(sweep, target=args.target)
+    report = format_report(sweep, target=args.target, dtype=str(target.dtype).removeprefix("torch."))
     print(report)
     written = [write_eval_json(sweep, out / "eval.json", target)]
     write_text_atomic(report + "\n", out / "eval.txt")

@@ -114,8 +114,9 @@ def _faster_note(rec: Mapping[str, Any]) -> list[str]:
             f"{faster['speedup']:.2f}x, draftsmith's runtime only)"]
 
 
-def format_report(sweep: Mapping[str, Any], target: str | None = None) -> str:
-    """Per dataset: a settings line, the table (recommended row starred) and the recommendation."""
+def format_report(sweep: Mapping[str, Any], target: str | None = None, dtype: str | None = None) -> str:
+    """Per dataset: a settings line, the table (recommended row starred), a note when outputs differ from plain
+    decoding (what it means depends on `dtype`, e.g. "bfloat16"), and the recommendation."""
     recs = sweep.get("recommendations") or {}
     blocks = []
     for name, info in sweep["datasets"].items():
@@ -124,10 +125,23 @@ def format_report(sweep: Mapping[str, Any], target: str | None = None) -> str:
         mark = next((r for r in result["results"] if rec and r["spec_config"] == rec.get("spec_config")), None)
         lines = [f"== {name}: {info['num_prompts']} prompts, {sweep['max_new_tokens']} new tokens, "
                  f"temperature {sweep['temperature']:g} ==", format_table(result, mark)]
+        differing = sum(1 for r in result["results"] if r.get("lossless_mismatches"))
+        if differing:
+            lines.append(mismatch_note(differing, dtype))
         if rec is not None:
             lines += recommendation_lines(name, rec, target)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def mismatch_note(configs: int, dtype: str | None) -> str:
+    """What greedy outputs that differ from plain decoding mean: a bug in float32, rounding in half precision."""
+    if dtype == "float32":
+        return (f"WARNING: {configs} config(s) changed greedy outputs in float32, where speculative decoding must "
+                "be exact: please report this with the command")
+    return (f"note: {configs} config(s) differ from plain decoding in {dtype or 'this dtype'}: half-precision "
+            "rounding changes with the number of tokens a step verifies, so near-ties flip; --dtype float32 "
+            "checks losslessness exactly")
 
 
 def _series(result: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
