@@ -31,7 +31,8 @@ from draftsmith.models.target import TargetModel
 TREES = [(4, 4, 16), (6, 8, 48)]  # (depth, top_k, total nodes): a small and an EAGLE-2-sized tree
 
 
-METHODS = ("ngram", "chain", "suffix", "tree", "hybrid")  # chain, tree, hybrid: EAGLE-3 (hybrid: + suffix)
+# chain, tree, hybrid, sampled_chain: EAGLE-3 (hybrid: + suffix; sampled_chain: draft_sample_method probabilistic)
+METHODS = ("ngram", "chain", "suffix", "tree", "hybrid", "sampled_chain")
 DEFAULT_METHODS = ("ngram", "chain", "suffix", "tree")
 HYBRID_MIN_SCORE = 1.0
 
@@ -44,6 +45,9 @@ def spec_configs(drafter: str, ks: list[int], methods=DEFAULT_METHODS) -> list:
                             "num_speculative_tokens": k})
         if "chain" in methods:
             configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
+        if "sampled_chain" in methods:
+            configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
+                            "draft_sample_method": "probabilistic"})
         if "hybrid" in methods:
             configs.append({"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
                             "suffix_hybrid": {"min_score": HYBRID_MIN_SCORE}})
@@ -121,8 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
-                   help="what to run besides plain decoding (chain, tree: EAGLE-3; hybrid: EAGLE-3 chains with "
-                        f"suffix_hybrid min_score {HYBRID_MIN_SCORE}, not run by default)")
+                   help="what to run besides plain decoding (chain, tree: EAGLE-3; not run by default: hybrid, "
+                        f"EAGLE-3 chains with suffix_hybrid min_score {HYBRID_MIN_SCORE}, and sampled_chain, "
+                        "EAGLE-3 chains with draft_sample_method probabilistic)")
     p.add_argument("--hf-num-prompts", type=int, default=16, help="prompts for Hugging Face generate (slow)")
     p.add_argument("--hf-temperatures", type=float, nargs="*", default=None,
                    help="temperatures at which to run Hugging Face generate (default: all)")
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
         for row in sweep["results"]:
             k = row["num_speculative_tokens"]
             tau = row["metrics"].get("mean_acceptance_length")
-            chain = not {"dynamic_tree", "suffix_hybrid"} & row["spec_config"].keys()
+            chain = not {"dynamic_tree", "suffix_hybrid", "draft_sample_method"} & row["spec_config"].keys()
             if row["method"] == "eagle3" and chain and tau and \
                     report["draft_step"]:
                 ideal = tau / (1 + k * report["draft_step"]["c"])
