@@ -138,6 +138,17 @@ def _suffix_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     return opts
 
 
+def _check_object(name: str, value: Any, known: tuple[str, ...], example: str) -> None:
+    """A nested object of the config (dynamic_tree, suffix_hybrid): a mapping with known keys only."""
+    if not isinstance(value, Mapping):
+        raise SpecConfigError(f"speculative config: {name} must be an object like {example}, got {value!r}")
+    for key in value:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecConfigError(f"speculative config: unknown key {name}.{key}{hint}; known: {', '.join(known)}")
+
+
 def _tree_options(raw: Mapping[str, Any], method: str) -> dict[str, Any]:
     """draft_sample_method, speculative_token_tree and dynamic_tree, checked against the method and each other.
 
@@ -180,15 +191,7 @@ def _tree_options(raw: Mapping[str, Any], method: str) -> dict[str, Any]:
         opts["speculative_token_tree"] = str(paths)
         opts["num_speculative_tokens"] = len(paths)
         return opts
-    if not isinstance(dynamic, Mapping):
-        raise SpecConfigError(f"speculative config: dynamic_tree must be an object like "
-                              f"{{\"depth\": 6, \"top_k\": 10}}, got {dynamic!r}")
-    for key in dynamic:
-        if key not in DYNAMIC_TREE_KEYS:
-            close = difflib.get_close_matches(str(key), DYNAMIC_TREE_KEYS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SpecConfigError(f"speculative config: unknown key dynamic_tree.{key}{hint}; "
-                                  f"known: {', '.join(DYNAMIC_TREE_KEYS)}")
+    _check_object("dynamic_tree", dynamic, DYNAMIC_TREE_KEYS, '{"depth": 6, "top_k": 10}')
     missing = [key for key in DYNAMIC_TREE_KEYS if key not in dynamic]
     if missing:
         raise SpecConfigError(f"speculative config: dynamic_tree needs {', '.join(missing)}")
@@ -218,15 +221,7 @@ def _hybrid_options(raw: Mapping[str, Any], method: str, tree: Mapping[str, Any]
     if tree or raw.get("draft_sample_method") == "probabilistic":
         raise SpecConfigError("speculative config: suffix_hybrid drafts greedy chains; drop the tree or "
                               "draft_sample_method 'probabilistic'")
-    if not isinstance(hybrid, Mapping):
-        raise SpecConfigError(f"speculative config: suffix_hybrid must be an object like {{\"min_score\": 2.0}}, "
-                              f"got {hybrid!r}")
-    for key in hybrid:
-        if key not in HYBRID_KEYS:
-            close = difflib.get_close_matches(str(key), HYBRID_KEYS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SpecConfigError(f"speculative config: unknown key suffix_hybrid.{key}{hint}; "
-                                  f"known: {', '.join(HYBRID_KEYS)}")
+    _check_object("suffix_hybrid", hybrid, HYBRID_KEYS, '{"min_score": 2.0}')
     score = hybrid.get("min_score")
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not score > 0:
         raise SpecConfigError(f"speculative config: suffix_hybrid.min_score must be a number > 0, got {score!r}")
