@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.inference.proposer import Proposal
 from draftsmith.inference.suffix import SuffixProposer, path_score
 
 
@@ -26,7 +26,7 @@ class SuffixHybridProposer:
         self.suffix = suffix
         self.min_score = min_score
         self.aux_layer_ids = drafter.aux_layer_ids
-        self.suffix_steps = 0  # rows x steps that took the suffix draft (for reports and tests)
+        self.suffix_steps = 0  # rows x steps that took the suffix draft (what tests and debugging read)
         self.drafter_steps = 0
 
     def begin(self, prompt_ids: Tensor, sampler=None) -> None:
@@ -38,28 +38,17 @@ class SuffixHybridProposer:
         self.suffix.extend(token_ids)
 
     def propose(self, num_tokens: int) -> Proposal:
-        batch = self.suffix.num_rows
-        drafts = [self.suffix.draft(b, num_tokens) if num_tokens > 0 else ([], []) for b in range(batch)]
+        drafts = self.suffix.drafts(num_tokens)
         use_suffix = [bool(tokens) and path_score(ratios) >= self.min_score for tokens, ratios in drafts]
         self.suffix_steps += sum(use_suffix)
-        self.drafter_steps += batch - sum(use_suffix)
+        self.drafter_steps += len(drafts) - sum(use_suffix)
         if all(use_suffix):  # the drafter is not run; the lengths stay on the CPU, as suffix's own
-            return self._suffix_proposal(drafts, num_tokens, "cpu")
+            return self.suffix.proposal(drafts, num_tokens)
         proposal = self.drafter.propose(num_tokens)
         if not any(use_suffix):
             return proposal
         device = proposal.token_ids.device
-        mine = self._suffix_proposal(drafts, proposal.token_ids.shape[1], device)
+        mine = self.suffix.proposal(drafts, proposal.token_ids.shape[1])
         rows = torch.tensor(use_suffix, device=device)
-        return Proposal(token_ids=torch.where(rows[:, None], mine.token_ids, proposal.token_ids),
-                        lengths=torch.where(rows, mine.lengths, proposal.lengths.to(device)))
-
-    @staticmethod
-    def _suffix_proposal(drafts, width: int, device) -> Proposal:
-        token_ids = torch.full((len(drafts), width), PAD_DRAFT_TOKEN, dtype=torch.long)
-        lengths = torch.zeros(len(drafts), dtype=torch.long)
-        for b, (tokens, _) in enumerate(drafts):
-            tokens = tokens[:width]
-            token_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            lengths[b] = len(tokens)
-        return Proposal(token_ids=token_ids.to(device), lengths=lengths.to(device))
+        return Proposal(token_ids=torch.where(rows[:, None], mine.token_ids.to(device), proposal.token_ids),
+                        lengths=torch.where(rows, mine.lengths.to(device), proposal.lengths.to(device)))

@@ -305,8 +305,5 @@ def build_proposer(spec: SpecConfig, target):
         from draftsmith.inference.hybrid import SuffixHybridProposer
         from draftsmith.inference.suffix import SuffixProposer
 
-        settings = {key: default if getattr(spec, key) is None else getattr(spec, key)
-                    for key, default in SUFFIX_DEFAULTS.items()}
-        suffix = SuffixProposer.from_config(dataclasses.replace(spec, **settings))
-        proposer = SuffixHybridProposer(proposer, suffix, spec.suffix_hybrid["min_score"])
+        proposer = SuffixHybridProposer(proposer, SuffixProposer.from_config(spec), spec.suffix_hybrid["min_score"])
     return proposer

@@ -189,12 +189,19 @@ class SuffixProposer:
 
     @classmethod
     def from_config(cls, spec, target=None) -> "SuffixProposer":
+        """From a `SpecConfig`; suffix_decoding_* keys it leaves unset (a hybrid's) take vLLM's defaults."""
+        from draftsmith.inference.spec_config import SUFFIX_DEFAULTS
+
+        def setting(key):
+            value = getattr(spec, key)
+            return SUFFIX_DEFAULTS[key] if value is None else value
+
         return cls(
             spec.num_speculative_tokens,
-            max_tree_depth=spec.suffix_decoding_max_tree_depth,
-            max_cached_requests=spec.suffix_decoding_max_cached_requests,
-            max_spec_factor=spec.suffix_decoding_max_spec_factor,
-            min_token_prob=spec.suffix_decoding_min_token_prob,
+            max_tree_depth=setting("suffix_decoding_max_tree_depth"),
+            max_cached_requests=setting("suffix_decoding_max_cached_requests"),
+            max_spec_factor=setting("suffix_decoding_max_spec_factor"),
+            min_token_prob=setting("suffix_decoding_min_token_prob"),
         )
 
     @property
@@ -271,16 +278,24 @@ class SuffixProposer:
                 best = winner
         return best[1], best[2]
 
-    def propose(self, num_tokens: int) -> Proposal:
+    def drafts(self, num_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Every row's best draft of at most `num_tokens` (and num_speculative_tokens) tokens, with its ratios."""
         k = max(0, min(num_tokens, self.num_speculative_tokens))
-        batch = len(self._contexts)
-        token_ids = np.full((batch, k), PAD_DRAFT_TOKEN, dtype=np.int64)  # (B, k)
-        scores = np.full((batch, k), -math.inf, dtype=np.float32)  # (B, k) log count ratio, -inf past lengths
-        lengths = np.zeros(batch, dtype=np.int64)  # (B,)
-        for b in range(batch):
-            tokens, ratios = self.draft(b, k) if k else ([], [])
+        return [self.draft(b, k) if k else ([], []) for b in range(self.num_rows)]
+
+    @staticmethod
+    def proposal(drafts: list[tuple[list[int], list[float]]], width: int) -> Proposal:
+        """`drafts` (as `drafts` returns them) as a Proposal `width` wide, on the CPU: the runtime reads its lengths
+        without a device sync and copies the drafts once."""
+        token_ids = np.full((len(drafts), width), PAD_DRAFT_TOKEN, dtype=np.int64)  # (B, width)
+        scores = np.full((len(drafts), width), -math.inf, dtype=np.float32)  # log count ratio, -inf past lengths
+        lengths = np.zeros(len(drafts), dtype=np.int64)  # (B,)
+        for b, (tokens, ratios) in enumerate(drafts):
+            tokens, ratios = tokens[:width], ratios[:width]
             token_ids[b, : len(tokens)] = tokens
             scores[b, : len(tokens)] = np.log(ratios) if tokens else []
             lengths[b] = len(tokens)
-        # Drafts stay on the CPU: the runtime reads their lengths without a device sync and copies them once.
         return Proposal(torch.from_numpy(token_ids), torch.from_numpy(lengths), torch.from_numpy(scores))
+
+    def propose(self, num_tokens: int) -> Proposal:
+        return self.proposal(self.drafts(num_tokens), max(0, min(num_tokens, self.num_speculative_tokens)))
