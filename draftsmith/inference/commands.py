@@ -81,15 +81,21 @@ def _load(args: argparse.Namespace, spec_texts: list[str]):
     """Validate the cheap things first (configs, paths, sizes), then load the tokenizer and the target."""
     from draftsmith import device as dev
     from draftsmith.inference.spec_config import parse_spec_config
-    from draftsmith.models.target import TargetModel
 
     _check_max_new_tokens(args)
     device = dev.get_device(args.device)
     specs = [parse_spec_config(text, device_type=device.type) for text in spec_texts]
     tokenizer = _load_tokenizer(args.target)
-    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device,
-                                         compile_layers=True if args.compile else None)
-    return specs, tokenizer, target
+    return specs, tokenizer, _load_target(args, device)
+
+
+def _load_target(args: argparse.Namespace, device):
+    """The target of --target in --dtype on `device`, its layers compiled with --compile (else as the
+    environment says)."""
+    from draftsmith.models.target import TargetModel
+
+    return TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device,
+                                       compile_layers=True if args.compile else None)
 
 
 def _check_max_new_tokens(args: argparse.Namespace) -> None:
@@ -148,7 +154,6 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from draftsmith.inference.eval import expand_spec_configs, load_prompts, name_datasets, run_sweep, write_eval_json
     from draftsmith.inference.report import SPEEDUP_TIE_TOLERANCE, add_recommendations, format_report, write_plots
     from draftsmith.models.checkpoint import write_text_atomic
-    from draftsmith.models.target import TargetModel
 
     _check_max_new_tokens(args)
     sampling = _sampling(args)
@@ -160,8 +165,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     paths = name_datasets(args.dataset)
     tokenizer = _load_tokenizer(args.target)
     prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts) for name, path in paths.items()}
-    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=device,
-                                         compile_layers=True if args.compile else None)
+    target = _load_target(args, device)
 
     out = Path(args.out)
     sweep = run_sweep(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty(),
