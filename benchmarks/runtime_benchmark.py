@@ -157,8 +157,28 @@ def main(argv=None) -> int:
         sampling = SamplingParams(temperature=temperature, seed=args.seed) if temperature > 0 else None
         key = f"temperature_{temperature:g}"
 
+        hf = None
+        if temperature in hf_temperatures:  # before the sweep, so that a sweep cut short still leaves this measured
+            hf_prompts = prompts[: args.hf_num_prompts]  # HF generate is slow: a subset, with our plain decoding on it
+            plain = SpeculativeGenerator(target, None, 0)
+            plain.generate(torch.tensor([hf_prompts[0]]), 16, eos, sampling=sampling)  # untimed: graphs recorded
+            ours = [plain.generate(torch.tensor([ids]), args.max_new_tokens, eos, sampling=sampling)
+                    for ids in hf_prompts]
+            hf = {
+                "num_prompts": len(hf_prompts),
+                "plain": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, None),
+                "prompt_lookup_k3": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, 3),
+                "draftsmith_plain_tokens_per_second": sum(len(r.token_ids) for r in ours) / sum(r.seconds for r in ours),
+            }
+            print(f"temperature {temperature:g}: HF generate on {len(hf_prompts)} prompts: plain "
+                  f"{hf['plain']['tokens_per_second']:.1f} tok/s, prompt lookup "
+                  f"{hf['prompt_lookup_k3']['tokens_per_second']:.1f} tok/s; draftsmith plain there "
+                  f"{hf['draftsmith_plain_tokens_per_second']:.1f} tok/s")
+            report["runs"][key] = {"hf_generate": hf}
+            write_json_atomic(report, out / "runtime.json")
+
         def save_partial(partial, key=key):  # after every config: a run cut short keeps what it measured
-            report["runs"][key] = partial
+            report["runs"][key] = {**partial, "hf_generate": hf} if hf else partial
             write_json_atomic(report, out / "runtime.json")
 
         sweep = run_sweep(target, tokenizer, {"mt_bench": prompts}, specs, args.max_new_tokens, sampling=sampling,
@@ -173,17 +193,8 @@ def main(argv=None) -> int:
                 ideal = tau / (1 + k * report["draft_step"]["c"])
                 row["ideal_speedup"] = ideal
                 row["fraction_of_ideal"] = row["speedup"] / ideal
-        if temperature in hf_temperatures:
-            hf_prompts = prompts[: args.hf_num_prompts]  # HF generate is slow: a subset, with our plain decoding on it
-            ours = [SpeculativeGenerator(target, None, 0).generate(torch.tensor([ids]), args.max_new_tokens, eos,
-                                                                    sampling=sampling) for ids in hf_prompts]
-            sweep["hf_generate"] = {
-                "num_prompts": len(hf_prompts),
-                "plain": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, None),
-                "prompt_lookup_k3": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, 3),
-                "draftsmith_plain_tokens_per_second": sum(len(r.token_ids) for r in ours) / sum(r.seconds for r in ours),
-                "draftsmith_plain_tokens_per_second_all_prompts": base,
-            }
+        if hf:
+            sweep["hf_generate"] = {**hf, "draftsmith_plain_tokens_per_second_all_prompts": base}
         report["runs"][key] = sweep
         write_plots(sweep, out / f"t{temperature:g}")
         print(f"\ntemperature {temperature:g}\n" + format_table(dataset_result(sweep, "mt_bench")))
@@ -192,11 +203,6 @@ def main(argv=None) -> int:
                 print(f"eagle3 k={row['num_speculative_tokens']}: c={report['draft_step']['c']:.3f} "
                       f"ideal {row['ideal_speedup']:.2f}x, reached {row['speedup']:.2f}x = "
                       f"{100 * row['fraction_of_ideal']:.0f}% of ideal")
-        hf = sweep.get("hf_generate")
-        if hf:
-            print(f"HF generate on {hf['num_prompts']} prompts: plain {hf['plain']['tokens_per_second']:.1f} tok/s, "
-                  f"prompt lookup {hf['prompt_lookup_k3']['tokens_per_second']:.1f} tok/s; draftsmith plain there "
-                  f"{hf['draftsmith_plain_tokens_per_second']:.1f} tok/s")
         write_json_atomic(report, out / "runtime.json")
     print(f"wrote {out / 'runtime.json'}")
     return 0

@@ -212,6 +212,17 @@ def graphs_supported(device: torch.device | str) -> bool:
     return _device_type(device) == "cuda" and os.environ.get("DRAFTSMITH_CUDA_GRAPHS", "1") != "0"
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` (on the CPU) on `device` without waiting for the device's queue.
+
+    A plain `.to(device)` from pageable host memory blocks until every queued kernel has run, a host sync that
+    stalls the decode loop. On CUDA and ROCm the copy goes through pinned memory and is queued instead (the
+    caching host allocator keeps the pinned block until the copy has run). Elsewhere: a plain copy."""
+    if tensor.device.type != "cpu" or _device_type(device) != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def time_ms(fn, device: torch.device | str, repeat: int = 50) -> float:
     """Mean milliseconds of `fn()` over `repeat` runs after one untimed run, synchronized around the loop: queued
     kernels count, launch gaps included, as decoding sees them (benchmarks only)."""

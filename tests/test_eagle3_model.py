@@ -162,6 +162,6 @@ def test_static_greedy_chain_equals_the_eager_chain():
     want = proposer.propose(4)
     start = torch.full((1, 1), committed, dtype=torch.long)
     proposer.cache.keys[0, :, :, committed:] = 1e4  # garbage past the context must stay unseen
-    tokens, scores = drafter.greedy_chain_static(proposer.next_hidden, start, proposer.cache, embed, 4)
+    tokens, scores = drafter.chain_static(proposer.next_hidden, start, proposer.cache, embed, 4)
     assert torch.equal(tokens, want.token_ids)
     torch.testing.assert_close(scores, want.scores, atol=1e-5, rtol=1e-5)

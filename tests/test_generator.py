@@ -223,3 +223,25 @@ def test_cli_compile_flag_reaches_the_target(fixture_target_dir, capsys, monkeyp
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert [t._compiled_layer is not None for t in built] == [False, True]
     assert outputs[0] == outputs[1]
+
+
+def test_host_extend_ids_equal_the_device_ids(tiny_target):
+    """A proposer with `extends_on_host` gets extend()'s ids built from the step's host copy: the same ids the
+    device tensor holds, finished rows padded alike, so n-gram decodes the same either way."""
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 5 + [12]]
+    plain = SpeculativeGenerator(tiny_target, None, 0).generate(torch.tensor([prompts[0]]), 24).token_ids
+    eos = {plain[3]}  # row 0 stops early, row 1 (most likely) later: extend pads a finished row
+    spec = parse_spec_config({"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+                              "num_speculative_tokens": 3}, "cpu")
+    seen, outputs = {}, {}
+    for on_host in (False, True):
+        proposer = build_proposer(spec, tiny_target)
+        proposer.extends_on_host = on_host
+        calls = seen[on_host] = []
+        real_extend = proposer.extend
+        proposer.extend = lambda ids, aux, real=real_extend, calls=calls: calls.append(ids.tolist()) or real(ids, aux)
+        results = SpeculativeGenerator(tiny_target, proposer, 3).generate_batch(prompts, 24, eos_token_ids=eos)
+        outputs[on_host] = [r.token_ids for r in results]
+    assert seen[True] == seen[False] and len(seen[True]) > 3
+    assert any(PAD_DRAFT_TOKEN in row for call in seen[True] for row in call), "no finished row was padded"
+    assert outputs[True] == outputs[False]

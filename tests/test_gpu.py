@@ -68,6 +68,34 @@ def test_graphed_drafter_steps_equal_eager_and_stay_lossless(method, extra, k, t
     assert len(captures) > len(target._graphs), "the proposer recorded no graph"
 
 
+def test_graphed_sampled_draft_chain_equals_eager_on_gpu(tmp_path, fixture_target_dir, mt_bench_path, monkeypatch):
+    """draft_sample_method probabilistic at temperature 0.8: the chain replayed as a CUDA graph (sampler's
+    processing recorded in it) samples what the eager chain samples from the same seed."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+    from draftsmith.inference.sampling import SamplingParams
+    from test_graph_paths import _drafter
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cuda")
+    folder = _drafter("eagle3", tmp_path / "eagle3", target)
+    spec = parse_spec_config({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3,
+                              "draft_sample_method": "probabilistic"})
+    graphed = build_proposer(spec, target)
+    monkeypatch.setenv("DRAFTSMITH_CUDA_GRAPHS", "0")
+    eager = build_proposer(spec, target)
+    assert graphed._graphs_on and not eager._graphs_on
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    for ids in load_prompts(mt_bench_path, tokenizer, limit=3):
+        prompt = torch.tensor([ids], device="cuda")
+        a = SpeculativeGenerator(target, graphed, 3).generate(prompt, 48, sampling=sampling)
+        b = SpeculativeGenerator(target, eager, 3).generate(prompt, 48, sampling=sampling)
+        assert a.token_ids == b.token_ids
+        assert a.metrics.to_dict() == b.metrics.to_dict()
+    assert any(key[0] == "chain" for key in graphed._graphs._entries), "the sampled chain recorded no graph"
+
+
 def test_compiled_decoder_layers_in_graphs_decode_like_the_module_path(fixture_target_dir, mt_bench_path):
     from transformers import AutoTokenizer
 
@@ -83,3 +111,20 @@ def test_compiled_decoder_layers_in_graphs_decode_like_the_module_path(fixture_t
         assert SpeculativeGenerator(compiled, None, 0).generate(prompt, 48).token_ids == want
         assert SpeculativeGenerator(compiled, build_proposer(spec, compiled), 3).generate(prompt, 48).token_ids == want
     assert compiled._graphs, "the compiled target recorded no graph"
+
+
+def test_host_to_device_queues_the_copy_behind_running_kernels():
+    """A plain host-to-device copy waits for every queued kernel (a host sync in the decode loop);
+    `host_to_device` returns while they still run, and the copy still lands."""
+    from draftsmith import device as dev
+
+    a = torch.randn(8192, 8192, device="cuda")
+    src = torch.arange(1000)
+    drained = {}
+    for name, copy in (("plain", lambda: src.to("cuda")), ("queued", lambda: dev.host_to_device(src, "cuda"))):
+        for _ in range(20):  # a few hundred milliseconds of queued work
+            a @ a
+        copied = copy()
+        drained[name] = torch.cuda.current_stream().query()  # the queue had run dry when the copy returned
+        assert torch.equal(copied.cpu(), src)
+    assert drained == {"plain": True, "queued": False}

@@ -113,6 +113,47 @@ def test_graph_paths_decode_what_the_eager_paths_decode(method, extra, k, tmp_pa
     assert len(recorded_graphs) == captured, "a repeated request recorded its graphs again"
 
 
+def test_sampled_draft_chain_graph_equals_the_eager_chain(tmp_path, fixture_target_dir, mt_bench_path,
+                                                          recorded_graphs):
+    """draft_sample_method probabilistic: the graphed chain samples from Exp(1) draws made outside the graph, the
+    eager chain from the same draws, so one seed gives the same drafts, draft distributions and outputs."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import load_prompts
+    from draftsmith.inference.sampling import SamplingParams
+
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    folder = _drafter("eagle3", tmp_path / "eagle3", target)
+    spec = parse_spec_config({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3,
+                              "draft_sample_method": "probabilistic"}, "cpu")
+    graphed = build_proposer(spec, target)
+    with pytest.MonkeyPatch.context() as eager_only:
+        eager_only.setattr(dev, "graphs_supported", lambda device: False)
+        eager = build_proposer(spec, target)
+    seen = {"graphed": [], "eager": []}
+    for name, proposer in (("graphed", graphed), ("eager", eager)):
+        def recording(num_tokens, propose=proposer.propose, seen=seen[name]):
+            proposal = propose(num_tokens)
+            seen.append((proposal.token_ids.clone(), proposal.draft_probs.clone()))
+            return proposal
+
+        proposer.propose = recording
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=5)
+    for ids in load_prompts(mt_bench_path, tokenizer, limit=2):
+        prompt = torch.tensor([ids])
+        a = SpeculativeGenerator(target, graphed, 3).generate(prompt, 24, sampling=sampling)
+        b = SpeculativeGenerator(target, eager, 3).generate(prompt, 24, sampling=sampling)
+        assert a.token_ids == b.token_ids
+        assert a.metrics.to_dict() == b.metrics.to_dict()
+    assert len(seen["graphed"]) == len(seen["eager"]) > 10
+    for (tokens_a, probs_a), (tokens_b, probs_b) in zip(seen["graphed"], seen["eager"]):
+        assert torch.equal(tokens_a, tokens_b)
+        torch.testing.assert_close(probs_a, probs_b)
+    assert all(torch.allclose(p.sum(-1), torch.ones(())) for _, p in seen["graphed"])  # distributions
+    assert any(key[0] == "chain" and key[2] == (0.8, 40, 0.9) for key in graphed._graphs._entries)
+
+
 def test_compiled_decoder_layers_decode_what_the_module_path_decodes(fixture_target_dir, mt_bench_path,
                                                                      recorded_graphs):
     """DRAFTSMITH_COMPILE=1 runs the graphed step's layers through one torch.compile'd function (Inductor's CPU

@@ -244,7 +244,10 @@ class SpeculativeGenerator:
                 # Rows still running get their a + 1 tokens, finished rows nothing.
                 counts = [n if on else 0 for n, on in zip(kept, active)]
                 extend_ids = tokens[:, :grow]
-                if min(counts) < grow:
+                if getattr(proposer, "extends_on_host", False):  # from this step's sync: no second one
+                    extend_ids = torch.tensor([row[:n] + [PAD_DRAFT_TOKEN] * (grow - n)
+                                               for row, n in zip(tokens_h, counts)], dtype=torch.long)
+                elif min(counts) < grow:
                     beyond = (torch.arange(grow, device=device)[None, :]
                               >= torch.tensor(counts, device=device)[:, None])  # (B, grow)
                     extend_ids = extend_ids.masked_fill(beyond, PAD_DRAFT_TOKEN)
@@ -291,10 +294,10 @@ def _step_drafts(proposal: Proposal | None, num_drafts: int, batch: int, device:
         token_ids = token_ids[:, : int(lengths.max()) if lengths.numel() else 0]
     w = token_ids.shape[1]
     return _StepDrafts(
-        token_ids=token_ids.to(device, torch.long),
-        lengths=lengths.to(device, torch.long),
-        parents=parents[:, :w].to(device, torch.long) if parents is not None else None,
-        draft_probs=draft_probs[:, :w].to(device) if draft_probs is not None else None,
+        token_ids=dev.host_to_device(token_ids, device).long(),
+        lengths=dev.host_to_device(lengths, device).long(),
+        parents=dev.host_to_device(parents[:, :w], device).long() if parents is not None else None,
+        draft_probs=dev.host_to_device(draft_probs[:, :w], device) if draft_probs is not None else None,
         depth=proposal.depth,
     )
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from draftsmith import device as dev
 from draftsmith.inference.proposer import Proposal
 from draftsmith.inference.suffix import SuffixProposer, path_score
 
 
 class SuffixHybridProposer:
+    extends_on_host = True  # the suffix half reads host ids (Proposer); the drafter gets a queued copy
+
     def __init__(self, drafter, suffix: SuffixProposer, min_score: float):
         self.drafter = drafter
         self.suffix = suffix
@@ -34,8 +37,8 @@ class SuffixHybridProposer:
         self.suffix.begin(prompt_ids, sampler)
 
     def extend(self, token_ids: Tensor, aux_hidden: Tensor | None) -> None:
-        self.drafter.extend(token_ids, aux_hidden)
         self.suffix.extend(token_ids)
+        self.drafter.extend(dev.host_to_device(token_ids, self.drafter.device), aux_hidden)
 
     def propose(self, num_tokens: int) -> Proposal:
         drafts = self.suffix.drafts(num_tokens)
@@ -49,6 +52,8 @@ class SuffixHybridProposer:
             return proposal
         device = proposal.token_ids.device
         mine = self.suffix.proposal(drafts, proposal.token_ids.shape[1])
-        rows = torch.tensor(use_suffix, device=device)
-        return Proposal(token_ids=torch.where(rows[:, None], mine.token_ids.to(device), proposal.token_ids),
-                        lengths=torch.where(rows, mine.lengths.to(device), proposal.lengths.to(device)))
+        rows = dev.host_to_device(torch.tensor(use_suffix), device)  # queued copies: no sync on the drafter's work
+        return Proposal(token_ids=torch.where(rows[:, None], dev.host_to_device(mine.token_ids, device),
+                                              proposal.token_ids),
+                        lengths=torch.where(rows, dev.host_to_device(mine.lengths, device),
+                                            proposal.lengths.to(device)))

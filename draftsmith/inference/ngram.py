@@ -51,6 +51,7 @@ class NgramProposer:
     """Drafts by prompt lookup over prompt + generated tokens. Needs no target features."""
 
     aux_layer_ids = None
+    extends_on_host = True  # the runtime hands extend() host token ids (Proposer)
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:

@@ -112,6 +112,10 @@ class Proposer(Protocol):
     """
 
     aux_layer_ids: tuple[int, ...] | None  # target features consumed (capture convention); None when none
+    # Optional, False when absent: True makes the runtime pass `extend` its token ids on the CPU, built from the
+    # step's one host sync, so that a proposer whose state lives on the host (n-gram, suffix) never reads the
+    # device itself (a second sync per step).
+    # extends_on_host: bool
 
     def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
         """Start new request(s): forget all previous state. `prompt_ids` is (B, S), PAD_DRAFT_TOKEN-padded."""

@@ -101,13 +101,19 @@ class Sampler:
         """U[0, 1) draws, float32, on the sampler's device."""
         return torch.rand(shape, generator=self.generator, device=self.device)
 
-    def sample(self, probs: Tensor) -> Tensor:
-        """One token per distribution: (..., V) -> (...,) int64.
+    def race(self, shape) -> Tensor:
+        """Exp(1) draws (float32, on the sampler's device) for `sample`; drawn ahead when the sampling itself
+        runs inside a CUDA graph, which must not draw from this generator."""
+        return torch.empty(shape, device=self.device).exponential_(generator=self.generator).clamp_min_(MIN_RACE)
+
+    def sample(self, probs: Tensor, race: Tensor | None = None) -> Tensor:
+        """One token per distribution: (..., V) -> (...,) int64, from `race` (..., V) if given (see `race`).
 
         The exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i, is
         vectorised and needs no host sync (torch.multinomial checks its input on the host side on some devices).
         E is kept above 0 (a draw of exactly 0 would make 0 / 0 = NaN win the argmax), so zero-probability
         tokens are never picked.
         """
-        race = torch.empty_like(probs).exponential_(generator=self.generator).clamp_min_(MIN_RACE)  # (..., V)
+        if race is None:
+            race = self.race(probs.shape)
         return (probs / race).argmax(dim=-1)

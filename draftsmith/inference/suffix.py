@@ -160,6 +160,7 @@ class SuffixProposer:
     """
 
     aux_layer_ids = None
+    extends_on_host = True  # the runtime hands extend() host token ids (Proposer)
 
     def __init__(
         self,

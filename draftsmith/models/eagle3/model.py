@@ -203,14 +203,18 @@ class Eagle3Drafter(nn.Module):
         out = attend(q, cache.keys[0], cache.values[0], mask, scale=attn.head_dim ** -0.5)
         return self.midlayer.finish(out, hidden)
 
-    def greedy_chain_static(self, hidden, start, cache: KVCache, embed_tokens, num_tokens: int):
-        """`num_tokens` argmax drafts from `hidden` (1, 1, H), the drafter's output at the last committed pair;
-        chain step i writes its pair at position start + i (start (1, 1) long). No host sync, fixed shapes: this
-        is what a CUDA graph records. Returns target token ids (1, k) and their draft log-probs (1, k)."""
+    def chain_static(self, hidden, start, cache: KVCache, embed_tokens, num_tokens: int, choose=None):
+        """`num_tokens` drafts from `hidden` (1, 1, H), the drafter's output at the last committed pair; chain step
+        i writes its pair at position start + i (start (1, 1) long). `choose(i, logits)` picks step i's draft id
+        and its score from the float32 logits (1, V_d); the default is the argmax and its log-prob. No host sync,
+        fixed shapes: this is what a CUDA graph records. Returns target token ids (1, k) and scores (1, k)."""
         tokens, scores = [], []
         for i in range(num_tokens):
-            logprobs = torch.log_softmax(self.logits(hidden)[:, -1].float(), dim=-1)  # (1, V_d)
-            score, draft_id = logprobs.max(dim=-1)
+            logits = self.logits(hidden)[:, -1].float()  # (1, V_d)
+            if choose is None:
+                score, draft_id = torch.log_softmax(logits, dim=-1).max(dim=-1)
+            else:
+                draft_id, score = choose(i, logits)
             token = self.draft_to_target(draft_id)  # (1,)
             tokens.append(token)
             scores.append(score)

@@ -63,7 +63,7 @@ class Eagle3Proposer:
         self.valid: Tensor | None = None  # (B, T_max) bool, used when ragged
         self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
         self._graphs_on = dev.graphs_supported(self.device)
-        self._graphs = dev.GraphPool()  # one request: ("chain", k | "extend", width | "tree", depth; cache id)
+        self._graphs = dev.GraphPool()  # one request: ("chain", k, sampling | "extend", width | "tree", depth; cache id)
         self._tree_slots: dict = {}  # tree graph key -> drafter cache slots its expansions take
 
     @classmethod
@@ -177,22 +177,19 @@ class Eagle3Proposer:
             return self._propose_tree(num_tokens)
         self._ensure_capacity(self.committed + num_tokens)
         sampled = self.draft_sample_method == "probabilistic" and self.sampler is not None
-        if self._graphs_on and batch == 1 and not self.ragged and not sampled:
-            return self._graphed_chain(num_tokens)
+        # sampled drafts race on Exp(1) draws made here, one (B, V_d) per step: the graphed chain cannot draw them
+        race = self.sampler.race((num_tokens, batch, self.drafter.config.draft_vocab_size)) if sampled else None
+        if self._graphs_on and batch == 1 and not self.ragged:
+            return self._graphed_chain(num_tokens, race)
         hidden = self.next_hidden
         drafts, scores, probs = [], [], []
         if self.ragged:  # draft slots of this call see each other causally, the committed context per row
             self.valid[:, self.committed: self.committed + num_tokens] = True
         for i in range(num_tokens):
             logits = self.drafter.logits(hidden)[:, -1].float()  # (B, V_d)
-            if sampled:
-                q = self.sampler.probs(logits)  # (B, V_d) processed like the target's p
-                draft_id = self.sampler.sample(q)
-                score = q.gather(1, draft_id[:, None])[:, 0].log()
-                q_target = torch.zeros(batch, self.drafter.config.vocab_size, device=self.device)
-                probs.append(q_target.index_copy_(1, self.draft_ids_in_target, q))  # (B, V) over target ids
-            else:
-                score, draft_id = torch.log_softmax(logits, dim=-1).max(dim=-1)
+            draft_id, score, q = self._choose(logits, None if race is None else race[i])
+            if q is not None:
+                probs.append(q)
             token = self.drafter.draft_to_target(draft_id)  # (B,) target ids
             drafts.append(token)
             scores.append(score)
@@ -203,18 +200,45 @@ class Eagle3Proposer:
         return Proposal(token_ids=token_ids, lengths=lengths, scores=torch.stack(scores, dim=1),
                         draft_probs=torch.stack(probs, dim=1) if sampled else None)
 
-    def _graphed_chain(self, num_tokens: int) -> Proposal:
-        """The greedy chain of one request replayed as one CUDA graph per k (`Eagle3Drafter.greedy_chain_static`):
-        k drafter steps cost one launch instead of a few hundred."""
+    def _choose(self, logits: Tensor, race: Tensor | None):
+        """A draft id (B,) from float32 logits (B, V_d) and its score (B,): the argmax and its log-prob, or, with
+        `race` (B, V_d), a sample of q (the sampler's processing of the logits) and log q of it. Third: q over the
+        target's vocabulary (B, V), the draft distribution verification needs, or None for greedy drafts."""
+        if race is None:
+            score, draft_id = torch.log_softmax(logits, dim=-1).max(dim=-1)
+            return draft_id, score, None
+        q = self.sampler.probs(logits)  # (B, V_d) processed like the target's p
+        draft_id = self.sampler.sample(q, race)
+        q_target = torch.zeros(q.shape[0], self.drafter.config.vocab_size, device=self.device)
+        return draft_id, q.gather(1, draft_id[:, None])[:, 0].log(), q_target.index_copy_(1, self.draft_ids_in_target, q)
+
+    def _graphed_chain(self, num_tokens: int, race: Tensor | None) -> Proposal:
+        """The chain of one request replayed as one CUDA graph per k (`Eagle3Drafter.chain_static`): k drafter
+        steps cost one launch instead of a few hundred. Sampled chains (`race` given) record the sampler's
+        processing too, so the graph is keyed by its parameters as well."""
         cache, embed = self.cache, self.embed_tokens
         start = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
-        tokens, scores = self._graphs.run(
-            ("chain", num_tokens, id(cache)),
-            lambda hidden, start: self.drafter.greedy_chain_static(hidden, start, cache, embed, num_tokens),
-            self.next_hidden, start)
+        params = None if race is None else self.sampler.params
+        sampling_key = None if params is None else (params.temperature, params.top_k, params.top_p)
+
+        def record(hidden, start, *race):
+            probs = []
+
+            def choose(i, logits):
+                draft_id, score, q = self._choose(logits, race[0][i])
+                probs.append(q)
+                return draft_id, score
+
+            tokens, scores = self.drafter.chain_static(hidden, start, cache, embed, num_tokens,
+                                                       choose if race else None)
+            return (tokens, scores, torch.stack(probs, dim=1)) if race else (tokens, scores)
+
+        inputs = (self.next_hidden, start) if race is None else (self.next_hidden, start, race)
+        outputs = self._graphs.run(("chain", num_tokens, sampling_key, id(cache)), record, *inputs)
         self.cache.length = self.committed + num_tokens - 1  # the chain's pairs, as the eager loop leaves them
         lengths = torch.full((1,), num_tokens, dtype=torch.long, device=self.device)
-        return Proposal(token_ids=tokens.clone(), lengths=lengths, scores=scores.clone())
+        return Proposal(token_ids=outputs[0].clone(), lengths=lengths, scores=outputs[1].clone(),
+                        draft_probs=outputs[2].clone() if race is not None else None)
 
     def _propose_tree(self, max_depth: int) -> Proposal:
         """Static or dynamic tree of at most `max_depth` levels; see tree.py. One request on CUDA replays the
