@@ -168,7 +168,8 @@ def main(argv=None) -> int:
                 "num_prompts": len(hf_prompts),
                 "plain": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, None),
                 "prompt_lookup_k3": hf_generate(target, hf_prompts, args.max_new_tokens, temperature, eos, 3),
-                "draftsmith_plain_tokens_per_second": sum(len(r.token_ids) for r in ours) / sum(r.seconds for r in ours),
+                "draftsmith_plain_tokens_per_second": (sum(len(r.token_ids) for r in ours)
+                                                       / sum(r.seconds for r in ours)),
             }
             print(f"temperature {temperature:g}: HF generate on {len(hf_prompts)} prompts: plain "
                   f"{hf['plain']['tokens_per_second']:.1f} tok/s, prompt lookup "

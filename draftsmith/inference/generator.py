@@ -243,14 +243,15 @@ class SpeculativeGenerator:
             if proposer is not None and any(active):
                 # Rows still running get their a + 1 tokens, finished rows nothing.
                 counts = [n if on else 0 for n, on in zip(kept, active)]
-                extend_ids = tokens[:, :grow]
                 if getattr(proposer, "extends_on_host", False):  # from this step's sync: no second one
                     extend_ids = torch.tensor([row[:n] + [PAD_DRAFT_TOKEN] * (grow - n)
                                                for row, n in zip(tokens_h, counts)], dtype=torch.long)
-                elif min(counts) < grow:
-                    beyond = (torch.arange(grow, device=device)[None, :]
-                              >= torch.tensor(counts, device=device)[:, None])  # (B, grow)
-                    extend_ids = extend_ids.masked_fill(beyond, PAD_DRAFT_TOKEN)
+                else:
+                    extend_ids = tokens[:, :grow]
+                    if min(counts) < grow:
+                        beyond = (torch.arange(grow, device=device)[None, :]
+                                  >= torch.tensor(counts, device=device)[:, None])  # (B, grow)
+                        extend_ids = extend_ids.masked_fill(beyond, PAD_DRAFT_TOKEN)
                 aux = out.aux_hidden
                 if aux is not None:
                     slots = path[:, :grow] if path is not None else None

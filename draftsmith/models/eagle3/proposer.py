@@ -63,7 +63,8 @@ class Eagle3Proposer:
         self.valid: Tensor | None = None  # (B, T_max) bool, used when ragged
         self.positions: Tensor | None = None  # (B,) committed pairs per row = position of the next pair
         self._graphs_on = dev.graphs_supported(self.device)
-        self._graphs = dev.GraphPool()  # one request: ("chain", k, sampling | "extend", width | "tree", depth; cache id)
+        # one request: ("chain", k, sampling | "extend", width | "tree", depth; cache id)
+        self._graphs = dev.GraphPool()
         self._tree_slots: dict = {}  # tree graph key -> drafter cache slots its expansions take
 
     @classmethod
@@ -210,7 +211,8 @@ class Eagle3Proposer:
         q = self.sampler.probs(logits)  # (B, V_d) processed like the target's p
         draft_id = self.sampler.sample(q, race)
         q_target = torch.zeros(q.shape[0], self.drafter.config.vocab_size, device=self.device)
-        return draft_id, q.gather(1, draft_id[:, None])[:, 0].log(), q_target.index_copy_(1, self.draft_ids_in_target, q)
+        q_target.index_copy_(1, self.draft_ids_in_target, q)
+        return draft_id, q.gather(1, draft_id[:, None])[:, 0].log(), q_target
 
     def _graphed_chain(self, num_tokens: int, race: Tensor | None) -> Proposal:
         """The chain of one request replayed as one CUDA graph per k (`Eagle3Drafter.chain_static`): k drafter
@@ -221,17 +223,17 @@ class Eagle3Proposer:
         params = None if race is None else self.sampler.params
         sampling_key = None if params is None else (params.temperature, params.top_k, params.top_p)
 
-        def record(hidden, start, *race):
+        def record(hidden, start, *drawn):  # drawn: (race,) for sampled drafts, () for greedy ones
             probs = []
 
             def choose(i, logits):
-                draft_id, score, q = self._choose(logits, race[0][i])
-                probs.append(q)
+                draft_id, score, q = self._choose(logits, drawn[0][i] if drawn else None)
+                if q is not None:
+                    probs.append(q)
                 return draft_id, score
 
-            tokens, scores = self.drafter.chain_static(hidden, start, cache, embed, num_tokens,
-                                                       choose if race else None)
-            return (tokens, scores, torch.stack(probs, dim=1)) if race else (tokens, scores)
+            tokens, scores = self.drafter.chain_static(hidden, start, cache, embed, num_tokens, choose)
+            return (tokens, scores, torch.stack(probs, dim=1)) if probs else (tokens, scores)
 
         inputs = (self.next_hidden, start) if race is None else (self.next_hidden, start, race)
         outputs = self._graphs.run(("chain", num_tokens, sampling_key, id(cache)), record, *inputs)
