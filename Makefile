@@ -29,7 +29,7 @@ endif
 .PHONY: test demo install clean-venv
 
 test: $(STAMP) $(SPECULATORS_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
 
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith quickstart

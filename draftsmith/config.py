@@ -121,6 +121,21 @@ class TrainingConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = Field(0.5, gt=0)
+    # AdamW for every weight, or Muon for the drafter's hidden matrices (fc, attention, MLP) with AdamW for the
+    # rest (norms, biases, the head), as torch.optim.Muon expects; muon_lr None = lr (Muon's update is scaled to
+    # AdamW's RMS, so one rate serves both).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float | None = Field(None, gt=0)
+    lr_schedule: Literal["cosine", "linear"] = "cosine"  # decay after warmup, to 0 at the last step
+    # EAGLE-3: soft_ce = cross-entropy to the target's distribution over the draft vocabulary; lk = the hybrid LK
+    # loss (lambda * KL + (1 - lambda) * (1 - sum min(p, q)), lambda = exp(-lk_eta * sg(acceptance)))
+    loss: Literal["soft_ce", "lk"] = "soft_ce"
+    lk_eta: float = Field(3.0, gt=0)
+    mask_outside_draft_vocab: bool = True  # drop positions whose target argmax is not in the draft vocabulary
+    # Micro-batches of similar-length samples filling this many (padded) tokens each, instead of batch_size
+    # samples; None = batch_size samples.
+    tokens_per_step: int | None = Field(None, ge=16)
+    time_probe_steps: int = Field(10, ge=3)  # with max_minutes: steps timed (at lr 0) to plan the schedule
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(200, ge=1)
@@ -134,6 +149,26 @@ class TrainingConfig(BaseModel):
         for i, beta in enumerate(self.adam_betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"training.adam_betas[{i}] is {beta}: each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        return self
+
+
+class Eagle3Section(BaseModel):
+    """The `eagle3:` section, read only when model.method is eagle3: the drafter's forward-pass variants, named
+    and computed as vLLM's llama_eagle3.py and the speculators package do. SGLang implements none of them, so a
+    drafter with any of them on exports to vLLM's layouts only."""
+
+    model_config = _STRICT
+
+    norm_before_fc: bool = False  # RMSNorm over the concatenated aux features before fc (speculators' default)
+    fc_norm: bool = False  # one RMSNorm per aux layer before fc (the EAGLE 3.1 paper's form)
+    norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
+    norm_output: bool = False  # feed norm(out) back as the next draft step's hidden (EAGLE 3.1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Eagle3Section:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("eagle3.norm_before_fc and eagle3.fc_norm are two forms of the same input norm: set one "
+                             "of them (speculators refuses both)")
         return self
 
 
@@ -202,9 +237,21 @@ class Recipe(BaseModel):
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    eagle3: Eagle3Section = Field(default_factory=Eagle3Section)
     dflash: DflashConfig = Field(default_factory=DflashConfig)
     mtp: MtpConfig = Field(default_factory=MtpConfig)
     output_dir: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Recipe:
+        budget = self.training.tokens_per_step
+        if budget is not None and budget < self.data.max_length:
+            raise ValueError(f"training.tokens_per_step ({budget}) is below data.max_length "
+                             f"({self.data.max_length}): a longest sample would not fit in a step")
+        if self.training.loss == "lk" and self.model.method != "eagle3":
+            raise ValueError(f"training.loss lk is implemented for EAGLE-3's soft targets; model.method "
+                             f"{self.model.method} trains with soft_ce")
+        return self
 
 
 # --------------------------------------------------------------------------- YAML

@@ -2,7 +2,9 @@
 
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.models.eagle3.config import Eagle3Config, default_aux_layer_ids
@@ -12,11 +14,15 @@ from draftsmith.models.eagle3.model import Eagle3Drafter
 H, V, VD = 32, 50, 20
 
 
-def tiny_drafter(seed=0):
+ALL_FLAGS = dict(norm_before_fc=True, fc_norm=True, norm_before_residual=True, norm_output=True)
+FLAG_SETS = [{}, ALL_FLAGS, dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)]
+
+
+def tiny_drafter(seed=0, **flags):
     torch.manual_seed(seed)
     config = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=8, vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, num_target_layers=8,
-                          aux_layer_ids=[2, 4, 5])
+                          aux_layer_ids=[2, 4, 5], **flags)
     drafter = Eagle3Drafter(config).float().eval()
     for p in drafter.parameters():  # RMSNorm weights start at 1; randomise so the test sees every weight
         nn.init.normal_(p, std=0.3)
@@ -33,16 +39,17 @@ def test_default_aux_layer_ids_pinned():
     assert default_aux_layer_ids(36) == [2, 18, 33]
 
 
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=["reference", "all-flags", "speculators-defaults"])
 @torch.no_grad()
-def test_ttt_equals_unrolled_cached_inference():
+def test_ttt_equals_unrolled_cached_inference(flags):
     """Step i of TTT at position t must compute exactly what the runtime computes when it drafts i+1 tokens from
-    context x_0..x_{t+1}: same keys, same positions, same mask."""
-    drafter = tiny_drafter()
+    context x_0..x_{t+1}: same keys, same positions, same mask (and the same norms, for every forward variant)."""
+    drafter = tiny_drafter(**flags)
     S, steps = 7, 3
     aux = torch.randn(1, S, 3 * H)
     token_embeds = torch.randn(1, S, H)
     ttt = drafter.forward_ttt(aux, token_embeds, num_steps=steps)
-    fused = drafter.fc(aux)
+    fused = drafter.fuse(aux)
     for t in range(S - 1):
         cache = drafter.new_cache(1, 32, torch.float32, "cpu")
         # context pairs (embed(x_{j+1}), g_j) for j = 0..t
@@ -165,3 +172,115 @@ def test_static_greedy_chain_equals_the_eager_chain():
     tokens, scores = drafter.chain_static(proposer.next_hidden, start, proposer.cache, embed, 4)
     assert torch.equal(tokens, want.token_ids)
     torch.testing.assert_close(scores, want.scores, atol=1e-5, rtol=1e-5)
+
+
+def _rms(x, weight, eps=1e-5):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def vllm_style_first_step(drafter, aux, embeds):
+    """One draft step over a whole causal context, written out the way vLLM's llama_eagle3.py computes it:
+    combine_hidden_states (input_norm / fc_norm, then fc), layer 0 with `_residual_norm`, then the fused
+    `norm(hidden, residual)` that returns (normed, prenorm); logits from the normed state, and the hidden handed on
+    is the normed one with norm_output, else the prenorm one."""
+    cfg, layer, attn = drafter.config, drafter.midlayer, drafter.midlayer.self_attn
+    x = aux
+    if cfg.norm_before_fc:
+        x = _rms(x, drafter.input_norm.weight)
+    if cfg.fc_norm:
+        x = torch.cat([_rms(c, n.weight) for n, c in zip(drafter.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+    h = x @ drafter.fc.weight.T
+    normed_h = _rms(h, layer.hidden_norm.weight)
+    residual = normed_h if cfg.norm_before_residual else h
+    a_in = torch.cat([_rms(embeds, layer.input_layernorm.weight), normed_h], dim=-1)
+    s = a_in.shape[1]
+    cos, sin = drafter.rope(a_in, torch.arange(s)[None])
+    q, k, v = attn.qkv(a_in, cos, sin)
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, s, -1)
+    residual = residual + o @ attn.o_proj.weight.T
+    m = _rms(residual, layer.post_attention_layernorm.weight)
+    mlp = layer.mlp
+    out = residual + (F.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    normed = _rms(out, drafter.norm.weight)
+    return normed @ drafter.lm_head.weight.T, (normed if cfg.norm_output else out)
+
+
+@pytest.mark.parametrize("flags", [{}, ALL_FLAGS, dict(norm_before_residual=True), dict(norm_output=True),
+                                   dict(norm_before_fc=True), dict(fc_norm=True)],
+                         ids=["none", "all", "norm_before_residual", "norm_output", "norm_before_fc", "fc_norm"])
+@torch.no_grad()
+def test_forward_variants_compute_what_vllm_computes(flags):
+    """Each flag changes the output (so a drafter that ignored it would fail here), and the runtime step, the TTT
+    step 0 and the handed-on hidden all equal the vLLM-style reference above."""
+    drafter = tiny_drafter(5, **flags)
+    S = 6
+    aux, embeds = torch.randn(1, S, 3 * H) * 4, torch.randn(1, S, H)
+    want_logits, want_hidden = vllm_style_first_step(drafter, aux, embeds)
+    cache = drafter.new_cache(1, 16, torch.float32, "cpu")
+    hidden = drafter.step(embeds, drafter.fuse(aux), cache)
+    torch.testing.assert_close(hidden, want_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.logits(hidden), want_logits, atol=1e-4, rtol=1e-4)
+    shifted = torch.cat([torch.zeros(1, 1, H), embeds], dim=1)  # TTT step 0 at t reads embed(x_{t+1})
+    ttt0 = drafter.forward_ttt(torch.cat([aux, torch.zeros(1, 1, 3 * H)], dim=1), shifted, num_steps=1)[0]
+    torch.testing.assert_close(ttt0[:, :S], want_logits, atol=1e-4, rtol=1e-4)
+    if flags:
+        plain = tiny_drafter(5)
+        plain.load_state_dict(drafter.state_dict(), strict=False)
+        plain_logits, plain_hidden = vllm_style_first_step(plain, aux, embeds)
+        assert not (torch.allclose(plain_logits, want_logits, atol=1e-3)
+                    and torch.allclose(plain_hidden, want_hidden, atol=1e-3))
+
+
+def slow_lk(logits, teacher, eta):
+    """The hybrid LK loss of one position, from the paper's definition: lambda * KL(p||q) + (1 - lambda) * TV with
+    TV = 1 - sum_x min(p(x), q(x)) and lambda = exp(-eta * alpha), alpha held constant in lambda."""
+    p, q = torch.softmax(teacher, -1), torch.softmax(logits, -1)
+    alpha = sum(torch.minimum(p[x], q[x]) for x in range(p.shape[0]))
+    kl = sum(p[x] * (torch.log(p[x]) - torch.log(q[x])) for x in range(p.shape[0]))
+    lam = math.exp(-eta * float(alpha))
+    return lam * kl + (1 - lam) * (1 - alpha)
+
+
+def test_lk_loss_matches_the_definition_in_value_and_gradient():
+    torch.manual_seed(7)
+    S, steps, eta = 6, 2, 3.0
+    teacher = torch.randn(1, S, VD) * 2
+    in_draft = torch.ones(1, S, dtype=torch.bool)
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 1]])
+    step_logits = [torch.randn(1, S, VD, requires_grad=True) for _ in range(steps)]
+    loss, metrics = ttt_loss(step_logits, teacher, in_draft, loss_mask, decay=0.5, kind="lk", lk_eta=eta)
+    loss.backward()
+    ref_logits = [x.detach().clone().requires_grad_(True) for x in step_logits]
+    expected = 0.0
+    for i, logits in enumerate(ref_logits):
+        terms = [slow_lk(logits[0, t], teacher[0, t + 1 + i], eta) for t in range(S - 2 - i)]  # x_{t+2+i} exists
+        expected = expected + 0.5 ** i * sum(terms) / len(terms)
+    expected.backward()
+    assert math.isclose(loss.item(), expected.item(), rel_tol=1e-5)
+    for ours, ref in zip(step_logits, ref_logits):
+        torch.testing.assert_close(ours.grad, ref.grad, atol=1e-6, rtol=1e-4)
+    # soft_ce and lk share masking and alignment, and differ in value: the kind is honoured
+    soft, _ = ttt_loss([x.detach() for x in step_logits], teacher, in_draft, loss_mask, decay=0.5)
+    assert not math.isclose(soft.item(), loss.item(), rel_tol=1e-3)
+
+
+def test_keeping_positions_outside_the_draft_vocab_counts_them():
+    torch.manual_seed(2)
+    S = 8
+    teacher = torch.randn(1, S, VD)
+    in_draft = torch.ones(1, S, dtype=torch.bool)
+    in_draft[0, 3] = False
+    loss_mask = torch.ones(1, S, dtype=torch.long)
+    logits = [torch.randn(1, S, VD)]
+    _, masked = ttt_loss(logits, teacher, in_draft, loss_mask)
+    _, kept = ttt_loss(logits, teacher, in_draft, loss_mask, mask_outside_draft_vocab=False)
+    assert (masked["count_0"].item(), kept["count_0"].item()) == (S - 3, S - 2)
+
+
+def test_a_non_finite_draft_never_counts_as_correct():
+    teacher = torch.zeros(1, 4, VD)
+    teacher[..., 0] = 5.0
+    logits = torch.full((1, 4, VD), float("nan"))
+    _, m = ttt_loss([logits], teacher, torch.ones(1, 4, dtype=torch.bool), torch.ones(1, 4, dtype=torch.long))
+    assert m["acc_0"].item() == 0.0 and m["sim_accept_len"].item() == 1.0

@@ -64,6 +64,11 @@ def random_eagle3_tensors(cfg: Eagle3Config, seed: int = 0) -> dict[str, torch.T
         "norm.weight": (h,),
         "lm_head.weight": (cfg.draft_vocab_size, h),
     }
+    n_aux = len(cfg.aux_layer_ids)
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (n_aux * cfg.target_hidden_size,)
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{j}.weight": (cfg.target_hidden_size,) for j in range(n_aux)})
     tensors = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
     used = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values  # (V_d,) target ids
     tensors["d2t"] = used - torch.arange(cfg.draft_vocab_size)  # target_id = i + d2t[i]

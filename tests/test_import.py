@@ -108,6 +108,7 @@ def speculators_public(folder: Path, cfg: Eagle3Config, weights: dict[str, torch
     if config["draft_vocab_size"] != 256:
         tensors.update(d2t=weights["d2t"], t2d=weights["t2d"])
     tensors.update({f"layers.0.{n}": weights[f"midlayer.{n}"] for n in LAYER})
+    tensors.update({n: t for n, t in weights.items() if n.startswith(("input_norm.", "fc_norm."))})
     return write_folder(folder, config, tensors)
 
 
@@ -156,11 +157,22 @@ def test_full_vocab_speculators_checkpoint_gets_identity_maps(tmp_path, target_d
     assert torch.equal(drafter.d2t, torch.zeros(256, dtype=torch.long)) and bool(drafter.t2d.all())
 
 
+def test_runtime_loads_a_checkpoint_of_speculators_defaults(tmp_path, target_dir):
+    """speculators 0.9.0 trains EAGLE-3 with norm_before_fc, norm_before_residual and norm_output on (EAGLE 3.1):
+    the flags are read, the extra input_norm tensor is loaded, and the drafter computes what one built with those
+    flags computes."""
+    flags = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+    cfg = Eagle3Config.from_target(LlamaConfig(**TARGET), DRAFT_VOCAB, target_name_or_path=str(target_dir), **flags)
+    weights = random_eagle3_tensors(cfg, seed=3)
+    folder = speculators_public(tmp_path / "spec", cfg, weights, target_embedding(target_dir), **flags)
+    drafter = load_drafter(folder)
+    assert drafter.config.variants() == {**flags, "fc_norm": False}
+    assert_same_drafter(drafter, cfg, weights)
+
+
 def test_runtime_refuses_what_it_cannot_compute(tmp_path, target_dir):
     cfg, weights = ours(target_dir)
     emb = target_embedding(target_dir)
-    with pytest.raises(DrafterLoadError, match="norm_before_residual is true"):
-        load_drafter(speculators_public(tmp_path / "a", cfg, weights, emb, norm_before_residual=True))
     folder = speculators_public(tmp_path / "b", cfg, weights, emb)
     config = json.loads((folder / "config.json").read_text())
     del config["norm_before_residual"]

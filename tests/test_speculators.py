@@ -186,8 +186,8 @@ def _d2t_off(config, tensors):
 
 
 @pytest.mark.parametrize("corrupt, reason", [
-    (_set("norm_before_residual", KeyError), "norm_before_residual: None, expected false.*vLLM as true"),
-    (_set("norm_before_residual", True), "norm_before_residual: True, expected false"),
+    (_set("norm_before_residual", KeyError), "norm_before_residual: None, expected true or false.*vLLM as true"),
+    (_set("norm_output", "yes"), "norm_output: 'yes', expected true or false"),
     (_set("eagle_aux_hidden_state_layer_ids", KeyError), "eagle_aux_hidden_state_layer_ids: None, expected capture"),
     (_set("eagle_aux_hidden_state_layer_ids", [5, 3, 1]), "strictly increasing"),
     (_set("eagle_aux_hidden_state_layer_ids", [1, 3, 7]), r"exceed the target's 6 layers"),
@@ -258,6 +258,24 @@ def test_format_all_writes_every_eagle3_format_and_skips_others(tmp_path, target
     assert f"vllm serve {out / 'speculators'}" in captured.out
 
 
+def test_sglang_refuses_forward_variants_and_format_all_skips_it(tmp_path, target_dir, capsys):
+    """SGLang's LlamaForCausalLMEagle3 reads none of the flags: it would serve wrong drafts, so the native export
+    says so, and `--format all` writes the speculators layout (which vLLM reads with the flags) alone."""
+    cfg = eagle3_config(target_dir)
+    cfg.norm_before_fc = cfg.norm_output = True
+    ckpt = make_checkpoint(tmp_path / "run", cfg, random_eagle3_tensors(cfg, seed=2))
+    assert run_export(_args(str(ckpt), "--format", "sglang", "--out", str(tmp_path / "native"))) == 2
+    err = capsys.readouterr().err
+    assert "eagle3.norm_before_fc=true, eagle3.norm_output=true" in err and "--format speculators" in err
+    assert not (tmp_path / "native").exists()
+    assert run_export(_args(str(ckpt), "--format", "all", "--out", str(tmp_path / "all"))) == 0
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["speculators"]
+    captured = capsys.readouterr()
+    assert "sglang: skipped:" in captured.err and "SGLang" not in captured.out.split("serve with")[-1]
+    config = json.loads((tmp_path / "all" / "speculators" / "config.json").read_text())
+    assert (config["norm_before_fc"], config["norm_output"], config["norm_before_residual"]) == (True, True, False)
+
+
 def test_format_all_removes_what_it_wrote_when_one_format_is_refused(tmp_path):
     cfg = eagle3_config(tmp_path / "gone")  # native exports fine; speculators refuses (no target embedding)
     ckpt = make_checkpoint(tmp_path / "run", cfg)
@@ -296,9 +314,17 @@ def _load_with_speculators(folder: Path):
     return model_cls.from_pretrained(folder, config=config).eval()
 
 
-def test_speculators_package_matches_draftsmith_logits(tmp_path, target_dir):
-    """Same weights, same inputs (real target hidden states), three TTT steps: the same draft logits."""
+SPECULATORS_DEFAULTS = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)  # its eagle3 defaults
+
+
+@pytest.mark.parametrize("flags", [{}, SPECULATORS_DEFAULTS, {"fc_norm": True, "norm_output": True}],
+                         ids=["reference", "speculators-defaults", "fc-norm"])
+def test_speculators_package_matches_draftsmith_logits(tmp_path, target_dir, flags):
+    """Same weights, same inputs (real target hidden states), three TTT steps: the same draft logits, for the
+    reference drafter and for the forward variants speculators trains by default."""
     cfg = eagle3_config(target_dir)
+    for flag, value in flags.items():
+        setattr(cfg, flag, value)
     tensors = random_eagle3_tensors(cfg, seed=1)
     export_speculators(make_checkpoint(tmp_path / "run", cfg, tensors), tmp_path / "out", dtype=None)
     theirs = _load_with_speculators(tmp_path / "out")

@@ -50,6 +50,10 @@ class ExportError(ValueError):
     """An export refused: a checkpoint that fails the target format's contract, or an occupied output folder."""
 
 
+class FormatNotApplicable(ExportError):
+    """The checkpoint is sound, but this format's consumer cannot run it (`--format all` skips the format)."""
+
+
 @dataclass
 class ExportResult:
     """What an exporter wrote, for the command line to report."""

@@ -22,6 +22,7 @@ from draftsmith.models.checkpoint import (
     CheckpointError,
     ExportError,
     ExportResult,
+    FormatNotApplicable,
     check_output_dir,
     read_json,
     resolve_checkpoint,
@@ -108,6 +109,9 @@ def export_all(
             existed = (out_dir / name).exists()
             try:
                 results[name] = EXPORTERS[name](ckpt, out_dir / name, overwrite=overwrite, dtype=dtype)
+            except FormatNotApplicable as e:
+                skipped.append(f"{name}: skipped: {e}")
+                continue
             except (CheckpointError, ExportError) as e:
                 raise ExportError(f"format {name}: {e}") from None
             if not existed:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import shutil
 import time
@@ -24,6 +23,15 @@ from tqdm.auto import tqdm
 
 from draftsmith import device as dev
 from draftsmith.config import Recipe, recipe_to_dict, save_recipe
+from draftsmith.train.optim import (
+    MEASURE_SKIP,
+    SchedulePlan,
+    build_optimizers,
+    fixed_plan,
+    plan_for_budget,
+    probe_plan,
+    replan,
+)
 
 # method name -> trainer-facing class ("module:Class"); adding a drafter adds a line here and a folder.
 METHODS = {
@@ -46,12 +54,37 @@ def _method_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int, rank: int, world: int) -> list[list[int]]:
+SORT_WINDOW = 64  # token budgets: samples are length-sorted within windows of this many budgets' worth
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, rank: int, world: int,
+                  tokens_per_step: int | None = None) -> list[list[int]]:
     """Sample indices of this process's micro-batches for one epoch: shuffled by (seed, epoch), then dealt
     round-robin over processes. Every process gets the same number of batches (the tail that does not fill a
-    round is dropped) so collective ops stay in step."""
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-    batches = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    round is dropped) so collective ops stay in step.
+
+    With `tokens_per_step`, a micro-batch is as many samples as fit in that many padded tokens (rows x longest
+    row): the shuffled order is cut into windows, each sorted by length and cut into such batches, whose order is
+    then shuffled again, so a step computes little padding and the batches still come in random order."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    if tokens_per_step is None:
+        batches = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    else:
+        mean = max(1, sum(lengths) // max(1, len(lengths)))
+        window = max(1, SORT_WINDOW * tokens_per_step // mean)
+        batches = []
+        for start in range(0, len(order), window):
+            current, longest = [], 0
+            for i in sorted(order[start:start + window], key=lambda j: -lengths[j]):
+                longest = max(longest, lengths[i])
+                if current and longest * (len(current) + 1) > tokens_per_step:
+                    batches.append(current)
+                    current, longest = [], lengths[i]
+                current.append(i)
+            if current:
+                batches.append(current)
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     per_rank = len(batches) // world
     return batches[rank:per_rank * world:world]
 
@@ -68,18 +101,6 @@ def collate(samples, pad_id: int, device) -> dict[str, torch.Tensor]:
         attn[row, :n] = 1
         mask[row, :n] = torch.tensor(s.loss_mask)
     return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "loss_mask": mask.to(device)}
-
-
-def warmup_cosine(total_steps: int, warmup_ratio: float):
-    warmup = max(1, int(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -217,26 +238,41 @@ def train(recipe: Recipe, log=print) -> Path:
         load_initial_weights(drafter, recipe.model.init_from, recipe.model.method)
         log(f"initialised the drafter from {recipe.model.init_from}")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    optimizers = build_optimizers(drafter, cfg)
 
     world, rank = accelerator.num_processes, accelerator.process_index
-    batches_per_epoch = len(epoch_batches(len(data.train), cfg.batch_size, cfg.seed, 0, rank, world))
+    lengths = [len(sample.input_ids) for sample in data.train]
+    batch_label = f"{cfg.tokens_per_step} tokens" if cfg.tokens_per_step else f"{cfg.batch_size} samples"
+    batches_per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.seed, 0, rank, world, cfg.tokens_per_step))
     if batches_per_epoch < cfg.grad_accum_steps:
         raise TrainingError(f"{len(data.train)} samples make no full optimizer step of {cfg.grad_accum_steps} x "
-                            f"{cfg.batch_size} on {world} processes: lower training.batch_size or "
-                            "training.grad_accum_steps, or add data")
+                            f"{batch_label} on {world} processes: lower training.batch_size (or "
+                            "training.tokens_per_step) or training.grad_accum_steps, or add data")
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum_steps)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, cfg.warmup_ratio))
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    if cfg.max_minutes is not None:  # the probe's plan; replaced once the step time is known
+        plan = probe_plan(cfg.time_probe_steps, total_steps, cfg.lr_schedule)
+    else:
+        plan = fixed_plan(total_steps, cfg.warmup_ratio, cfg.lr_schedule)
+    planned = {"plan": plan}  # the schedulers read the current plan through this box
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: planned["plan"].factor(step))
+                  for opt in optimizers]
+    drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
+    for scheduler in schedulers:
+        accelerator.register_for_checkpointing(scheduler)
 
-    state = {"step": 0, "epoch": 0, "micro_batches_done": 0, "tokens_seen": 0}
+    state = {"step": 0, "epoch": 0, "micro_batches_done": 0, "tokens_seen": 0, "train_seconds": 0.0}
     resume_from = latest_checkpoint(output_dir)
     if resume_from is not None:
         accelerator.load_state(str(resume_from / STATE_DIR))
-        state = json.loads((resume_from / "trainer_state.json").read_text())
+        state = {**state, **json.loads((resume_from / "trainer_state.json").read_text())}
+        if "plan" in state:
+            planned["plan"] = SchedulePlan.from_dict(state["plan"])
         log(f"resuming from {resume_from} at step {state['step']}")
+    state["plan"] = planned["plan"].to_dict()
+    log(f"optimizer: {' + '.join(type(o.optimizer).__name__ for o in optimizers)}, lr {cfg.lr}"
+        + (f" (Muon {cfg.muon_lr or cfg.lr})" if cfg.optimizer == "muon" else "")
+        + f", {cfg.lr_schedule} schedule, micro-batches of {batch_label}")
     if accelerator.is_main_process:
         save_recipe(recipe, output_dir / "recipe.yaml")
     if cfg.report_to != "none":
@@ -244,19 +280,23 @@ def train(recipe: Recipe, log=print) -> Path:
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     metrics_path = output_dir / "metrics.jsonl"
-    started = time.time()
+    started = time.time() - state["train_seconds"]  # a resumed run keeps the budget it has spent
+    probe_times: dict[int, float] = {}  # probe (and re-plan) step -> wall time at its end (device synchronised)
+    eval_seconds, eval_spent = 0.0, 0.0  # one evaluation's cost, and the time evaluations took since the probe
     window_tokens, window_start = 0, time.time()
     window_loss, window_micro = 0.0, 0  # mean micro-batch loss since the last log line
-    progress = tqdm(total=total_steps, initial=state["step"], desc="train", disable=not accelerator.is_main_process)
+    progress = tqdm(total=planned["plan"].total, initial=state["step"], desc="train",
+                    disable=not accelerator.is_main_process)
     drafter.train()
     last_saved = state["step"] if resume_from else -1
-    stop = state["step"] >= total_steps
+    stop = state["step"] >= planned["plan"].total
     while not stop:
-        batches = epoch_batches(len(data.train), cfg.batch_size, cfg.seed, state["epoch"], rank, world)
+        batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, state["epoch"], rank, world, cfg.tokens_per_step)
         # whole accumulation cycles only, so every epoch (and every checkpoint) ends on an optimizer step
         batches = batches[: len(batches) // cfg.grad_accum_steps * cfg.grad_accum_steps]
         for micro in range(state["micro_batches_done"], len(batches)):
-            batch = collate([data.train[i] for i in batches[micro]], pad_id, accelerator.device)
+            samples = [data.train[i] for i in batches[micro]]
+            batch = collate(samples, pad_id, accelerator.device)
             with accelerator.accumulate(drafter):
                 loss, metrics = method.loss(drafter, batch)
                 accelerator.backward(loss)
@@ -264,24 +304,49 @@ def train(recipe: Recipe, log=print) -> Path:
                 window_micro += 1
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(trainable, cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             state["micro_batches_done"] = micro + 1
-            n_tokens = int(batch["attention_mask"].sum()) * world
+            n_tokens = sum(len(sample.input_ids) for sample in samples) * world  # from the host: no sync
             state["tokens_seen"] += n_tokens
             window_tokens += n_tokens
             if not accelerator.sync_gradients:
                 continue
-            scheduler.step()
+            for scheduler in schedulers:
+                scheduler.step()
             state["step"] += 1
             progress.update(1)
             step = state["step"]
-            elapsed_min = (time.time() - started) / 60
+            plan = planned["plan"]
+            if plan.probing or step in (plan.hold, plan.replan_step):
+                dev.synchronize(accelerator.device)
+                probe_times[step] = time.time()
+                if plan.probing and step == plan.hold:
+                    planned["plan"], eval_seconds = _plan_the_budget(cfg, probe_times, started, total_steps, method,
+                                                                     drafter, data.eval, pad_id, accelerator,
+                                                                     metrics_path, log)
+                    probe_times[step] = time.time()  # the steady steps are timed from after that evaluation
+                    eval_spent = 0.0
+                elif step == plan.replan_step and len(probe_times) > 1:
+                    since = max(s for s in probe_times if s < step)  # the last timing point
+                    steady = (probe_times[step] - probe_times[since] - eval_spent) / (step - since)
+                    planned["plan"] = replan(plan, step, steady, cfg.max_minutes * 60 - (time.time() - started),
+                                             total_steps, cfg.eval_every, eval_seconds)
+                    eval_spent = 0.0
+                    log(f"time budget: re-planned at step {step}: {steady * 1000:.1f} ms/step, decay to 0 at step "
+                        f"{planned['plan'].total}")
+                if planned["plan"] is not plan:
+                    state["plan"] = planned["plan"].to_dict()
+                    progress.total = planned["plan"].total
+                    progress.refresh()
+            state["train_seconds"] = time.time() - started
+            elapsed_min = state["train_seconds"] / 60
             out_of_time = cfg.max_minutes is not None and elapsed_min >= cfg.max_minutes
-            stop = step >= total_steps or out_of_time
+            stop = step >= planned["plan"].total or out_of_time
             if step % cfg.log_every == 0 or stop:
                 now = time.time()
-                row = {"step": step, "epoch": state["epoch"], "lr": scheduler.get_last_lr()[0],
+                row = {"step": step, "epoch": state["epoch"], "lr": schedulers[0].get_last_lr()[0],
                        "loss": float(window_loss) / window_micro, "grad_norm": float(grad_norm),
                        "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                        **{f"train/{k}": float(v) for k, v in metrics.items() if not k.startswith("count_")}}
@@ -291,8 +356,10 @@ def train(recipe: Recipe, log=print) -> Path:
                                      tau=f"{row['train/sim_accept_len']:.2f}")
                 _log_row(accelerator, metrics_path, row)
             if step % cfg.eval_every == 0 or stop:
+                eval_started = time.time()
                 row = {"step": step, **evaluate(method, drafter, data.eval, cfg.batch_size, pad_id,
                                                 accelerator.device)}
+                eval_spent += time.time() - eval_started
                 if len(row) > 1:
                     log(f"step {step}: eval loss {row['eval/loss']:.4f} acc_0 {row['eval/acc_0']:.3f} "
                         f"simulated acceptance length {row['eval/sim_accept_len']:.2f}")
@@ -316,6 +383,30 @@ def train(recipe: Recipe, log=print) -> Path:
     log(f"done: {state['step']} steps, {state['tokens_seen']} tokens in {(time.time() - started) / 60:.1f} min; "
         f"checkpoint {final}")
     return final
+
+
+def _plan_the_budget(cfg, probe_times, started, max_steps, method, drafter, eval_samples, pad_id, accelerator,
+                     metrics_path, log) -> tuple[SchedulePlan, float]:
+    """(the schedule for the steps that fit in what is left of `training.max_minutes`, one evaluation's seconds),
+    from the probe's step time and one timed evaluation (whose row is logged like any other)."""
+    hold = cfg.time_probe_steps
+    timed = sorted((step, t) for step, t in probe_times.items() if step >= MEASURE_SKIP)  # a resume may lose some
+    if len(timed) >= 2:
+        step_seconds = (timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0])
+    else:
+        step_seconds = (time.time() - started) / hold
+    eval_seconds = 0.0
+    if eval_samples:
+        t0 = time.time()
+        row = {"step": hold, **evaluate(method, drafter, eval_samples, cfg.batch_size, pad_id, accelerator.device)}
+        eval_seconds = time.time() - t0
+        _log_row(accelerator, metrics_path, row)
+    seconds_left = cfg.max_minutes * 60 - (time.time() - started)
+    plan = plan_for_budget(hold, step_seconds, seconds_left, cfg.warmup_ratio, cfg.lr_schedule,
+                           max_steps=max_steps, eval_every=cfg.eval_every, eval_seconds=eval_seconds)
+    log(f"time budget {cfg.max_minutes} min: {plan.note}; warmup {plan.warmup}, {plan.shape} decay to 0 at step "
+        f"{plan.total}" + (f", re-planned at step {plan.replan_step}" if plan.replan_step else ""))
+    return plan, eval_seconds
 
 
 def _log_row(accelerator, path: Path, row: dict) -> None:

@@ -16,6 +16,8 @@ from transformers import LlamaConfig, PretrainedConfig
 from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
 
 METHOD = "eagle3"
+# The forward-pass flags of vLLM's and speculators' EAGLE-3 that draftsmith implements (config.json names).
+FORWARD_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -51,6 +53,12 @@ class Eagle3Config:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Forward-pass variants of vLLM's llama_eagle3.py and the speculators package (EAGLE 3.1), all False in the
+    # EAGLE-3 reference and in SGLang (which reads none of them):
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the concatenated aux features before fc
+    fc_norm: bool = False  # one RMSNorm per aux layer (`fc_norm.{i}`) before fc
+    norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
+    norm_output: bool = False  # the hidden fed back to the next draft step is norm(out), not out
     method: str = METHOD
 
     @classmethod
@@ -60,8 +68,10 @@ class Eagle3Config:
         draft_vocab_size: int,
         aux_layer_ids: list[int] | None = None,
         target_name_or_path: str = "",
+        **variants: bool,
     ) -> "Eagle3Config":
-        """A draft layer shaped like one decoder layer of the target, as the EAGLE-3 reference does."""
+        """A draft layer shaped like one decoder layer of the target, as the EAGLE-3 reference does; `variants` are
+        the forward-pass flags (norm_before_fc, fc_norm, norm_before_residual, norm_output)."""
         num_layers = target.num_hidden_layers
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers)
         for i in ids:
@@ -87,7 +97,12 @@ class Eagle3Config:
             max_position_embeddings=getattr(target, "max_position_embeddings", 4096),
             rope_parameters=rope_parameters_of(target),
             **target_provenance(target, target_name_or_path),
+            **variants,
         )
+
+    def variants(self) -> dict[str, bool]:
+        """The forward-pass flags, as vLLM and speculators name them in config.json."""
+        return {name: getattr(self, name) for name in FORWARD_FLAGS}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

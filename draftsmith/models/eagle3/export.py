@@ -28,6 +28,7 @@ from draftsmith.models.checkpoint import (
     CONFIG_FILE,
     ExportError,
     ExportResult,
+    FormatNotApplicable,
     check_output_dir,
     config_for_export,
     draftsmith_version,
@@ -36,7 +37,7 @@ from draftsmith.models.checkpoint import (
     resolve_checkpoint,
     write_export,
 )
-from draftsmith.models.eagle3.config import METHOD, Eagle3Config
+from draftsmith.models.eagle3.config import FORWARD_FLAGS, METHOD, Eagle3Config
 from draftsmith.models.drafter_config import is_int, legacy_rope
 from draftsmith.models.model_card import render_model_card
 
@@ -64,10 +65,12 @@ _WEIGHT_NAMES = (
     "lm_head.weight",
 )
 _VOCAB_NAMES = ("d2t", "t2d")
+MAX_AUX_LAYERS = 16  # fc_norm.{i} names are listed up to this many aux layers
+_FLAG_NORM_NAMES = ("input_norm.weight", *(f"fc_norm.{i}.weight" for i in range(MAX_AUX_LAYERS)))  # with the flags
 _ATTENTION_BIAS_NAMES = tuple(f"midlayer.self_attn.{p}_proj.bias" for p in "qkvo")  # when attention_bias
 _MLP_BIAS_NAMES = tuple(f"midlayer.mlp.{p}_proj.bias" for p in ("gate", "up", "down"))  # when mlp_bias
 NATIVE_KEY_MAP: dict[str, str] = {
-    name: name for name in _WEIGHT_NAMES + _VOCAB_NAMES + _ATTENTION_BIAS_NAMES + _MLP_BIAS_NAMES
+    name: name for name in _WEIGHT_NAMES + _VOCAB_NAMES + _ATTENTION_BIAS_NAMES + _MLP_BIAS_NAMES + _FLAG_NORM_NAMES
 }
 
 _REQUIRED_INTS = (
@@ -128,7 +131,8 @@ def native_config(config: Eagle3Config, step: int | None = None) -> dict[str, An
         "rope_scaling": rope_scaling,
         "rope_parameters": rope,
         "tie_word_embeddings": False,  # True would make SGLang use the embedding as lm_head
-        "norm_before_residual": False,  # residual from the un-normed hidden branch (DESIGN.md §3)
+        # the forward-pass flags, as vLLM's llama_eagle3.py reads them
+        **config.variants(),
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
@@ -174,6 +178,11 @@ def expected_native_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int,
         "d2t": ((config["draft_vocab_size"],), "(draft_vocab_size,)"),
         "t2d": ((config["vocab_size"],), "(vocab_size,)"),
     }
+    if config.get("norm_before_fc"):
+        shapes["input_norm.weight"] = ((n_aux * h_t,), f"({n_aux} aux layers x target_hidden_size,) (norm_before_fc)")
+    if config.get("fc_norm"):
+        for j in range(n_aux):
+            shapes[f"fc_norm.{j}.weight"] = ((h_t,), "(target_hidden_size,) (fc_norm)")
     if config.get("attention_bias"):
         for name, width in zip(_ATTENTION_BIAS_NAMES, (q, kv, kv, h)):
             shapes[name] = ((width,), "bias of the matching projection (attention_bias)")
@@ -212,6 +221,10 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         problems.append(f"config draft_vocab_size {draft_vocab} > vocab_size {vocab}")
     if config.get("attention_bias") or config.get("mlp_bias"):
         warnings.append("the draft layer has biases; SGLang's LlamaForCausalLMEagle3 has none and drops them silently")
+    for flag in FORWARD_FLAGS:
+        if not isinstance(config.get(flag), bool):
+            problems.append(f"config {flag}: {config.get(flag)!r}, expected true or false (vLLM reads a missing "
+                            "key as false)")
 
     provenance = config.get("draftsmith") or {}
     target_max_pos = provenance.get("target_max_position_embeddings")
@@ -357,6 +370,12 @@ def export_native_eagle3(
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
     raw, state = load_checkpoint(ckpt)
     cfg = config_for_export(ckpt, raw, Eagle3Config, METHOD, "native EAGLE-3")
+    on = [flag for flag, value in cfg.variants().items() if value]
+    if on:
+        raise FormatNotApplicable(
+            f"{ckpt}: this drafter was trained with {', '.join(f'eagle3.{f}=true' for f in on)}, which SGLang's "
+            f"{ARCHITECTURE} does not implement (it would serve wrong drafts): export --format speculators for "
+            "vLLM, or train with those keys false for SGLang")
     notes = read_card_inputs(ckpt)
     step = notes.step
 

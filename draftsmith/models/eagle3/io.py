@@ -17,7 +17,7 @@ from draftsmith.models.drafter_config import (
     load_for_inference,
     read_drafter_config,
 )
-from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.config import FORWARD_FLAGS, Eagle3Config
 from draftsmith.models.eagle3.export import AUX_IDS_KEY, output_of_layer_to_capture
 from draftsmith.models.eagle3.model import Eagle3Drafter
 
@@ -40,9 +40,6 @@ def eagle3_config_from_native(
     Aux ids, in order of trust: the top-level capture ids (vLLM), SGLang's nested output-of-layer ids + 1, then
     the engines' shared default (2, L//2, L-3) when the target's layer count L is known.
     """
-    if cfg.get("norm_before_residual"):
-        raise DrafterLoadError("norm_before_residual is true: draftsmith's EAGLE-3 drafter takes the residual before "
-                               "hidden_norm (false), so it would compute different logits from this checkpoint")
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in cfg]
     if missing:
         raise DrafterLoadError(f"native EAGLE-3 config: missing {', '.join(missing)}")
@@ -92,7 +89,17 @@ def eagle3_config_from_native(
         target_model_type=prov.get("target_model_type") or target_config.get("model_type", ""),
         bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
+        **forward_flags_of(cfg),
     ), notes
+
+
+def forward_flags_of(cfg: dict[str, Any]) -> dict[str, bool]:
+    """The forward-pass flags of a native (or flattened speculators) config, read as vLLM's llama_eagle3.py does:
+    `norm_before_fc` from eagle_config first, then the top level; a missing flag is false."""
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    flags = {flag: bool(cfg.get(flag, False)) for flag in FORWARD_FLAGS}
+    flags["norm_before_fc"] = bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)))
+    return flags
 
 
 def tensors_from_native(

@@ -18,18 +18,22 @@ from torch.utils.checkpoint import checkpoint
 
 
 @torch.no_grad()
-def teacher_targets(last_hidden: torch.Tensor, lm_head: nn.Module, t2d: torch.Tensor, chunk_size: int = 1024):
+def teacher_targets(last_hidden: torch.Tensor, lm_head: nn.Module, t2d: torch.Tensor, chunk_size: int = 1024,
+                    draft_ids: torch.Tensor | None = None):
     """Target logits restricted to the draft vocab, and whether the full-vocab argmax lies inside it.
 
     last_hidden (B, S, H) is the final-normed target state. The full-vocabulary logits exist only one chunk of
-    positions at a time, never for the whole batch.
+    positions at a time, never for the whole batch. `draft_ids` (V_d,) are the draft vocabulary's target ids in
+    ascending order (arange + d2t); given, they spare the host sync a boolean mask index costs.
     Returns draft_logits (B, S, V_d) float32 and in_draft (B, S) bool.
     """
+    if draft_ids is None:
+        draft_ids = t2d.nonzero().flatten()
     draft_logits, in_draft = [], []
     for start in range(0, last_hidden.shape[1], chunk_size):
         logits = lm_head(last_hidden[:, start:start + chunk_size]).float()  # (B, c, V)
         in_draft.append(t2d[logits.argmax(-1)])
-        draft_logits.append(logits[..., t2d])
+        draft_logits.append(logits.index_select(-1, draft_ids))
     return torch.cat(draft_logits, 1), torch.cat(in_draft, 1)
 
 
@@ -43,27 +47,53 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return out
 
 
-def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8):
-    """Weighted soft cross-entropy over the unrolled steps: sum_i decay**i * L_i.
+def position_loss(logits, teacher_logits, kind: str = "soft_ce", lk_eta: float = 3.0):
+    """Per-position loss (B, S) of drafter logits against teacher logits over the same (draft) vocabulary.
+
+    soft_ce: -sum_x p(x) log q(x). lk: the hybrid LK loss (Samarin et al., arXiv 2602.23881), which optimises the
+    acceptance rate alpha = sum_x min(p(x), q(x)) of speculative sampling directly:
+        lambda * KL(p || q) + (1 - lambda) * (1 - alpha),   lambda = exp(-lk_eta * alpha), alpha not differentiated
+    in lambda, so KL's strong gradient leads while the draft is far off and the acceptance term takes over as it
+    nears the teacher.
+    """
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log_softmax(teacher_logits.float(), dim=-1)
+    p = log_p.exp()
+    if kind == "soft_ce":
+        return -(p * log_q).sum(-1)
+    if kind != "lk":
+        raise ValueError(f"unknown loss {kind!r}: expected soft_ce or lk")
+    kl = (p * (log_p - log_q)).sum(-1)
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)
+    weight = torch.exp(-lk_eta * alpha.detach())
+    return weight * kl + (1.0 - weight) * (1.0 - alpha)
+
+
+def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
+             kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True):
+    """Weighted loss over the unrolled steps: sum_i decay**i * L_i (see `position_loss` for the kinds).
 
     step_logits: list of (B, S, V_d) drafter logits; teacher_draft_logits (B, S, V_d); teacher_in_draft (B, S) bool;
-    loss_mask (B, S) with 1 on assistant tokens. L_i averages over its valid positions.
-    Returns (loss, metrics) where metrics holds 0-dim tensors (no host sync here): per-step loss and top-1 accuracy (draft argmax == target argmax)
-    and the simulated chain acceptance length (1 + leading correct steps, teacher-forced tokens).
+    loss_mask (B, S) with 1 on assistant tokens. L_i averages over its valid positions: assistant tokens, and with
+    `mask_outside_draft_vocab` only those whose target argmax lies in the draft vocabulary (the EAGLE-3 reference).
+    Returns (loss, metrics) where metrics holds 0-dim tensors (no host sync here): per-step loss and top-1 accuracy
+    (draft argmax == target argmax; a non-finite logit never counts as correct) and the simulated chain acceptance
+    length (1 + leading correct steps, teacher-forced tokens).
     """
     total = 0.0
     metrics: dict[str, torch.Tensor] = {}
     correct_steps, valid_steps = [], []
     for i, logits in enumerate(step_logits):
         teacher = shift_left(teacher_draft_logits, 1 + i)  # (B, S, V_d)
-        valid = shift_left(loss_mask.bool(), 2 + i, False) & shift_left(teacher_in_draft, 1 + i, False)  # (B, S)
-        log_q = torch.log_softmax(logits.float(), dim=-1)
-        p = torch.softmax(teacher, dim=-1)
-        per_pos = -(p * log_q).sum(-1)  # (B, S)
+        valid = shift_left(loss_mask.bool(), 2 + i, False)  # (B, S)
+        if mask_outside_draft_vocab:
+            valid = valid & shift_left(teacher_in_draft, 1 + i, False)
+        per_pos = position_loss(logits, teacher, kind, lk_eta)  # (B, S)
         count = valid.sum()
-        step_loss = (per_pos * valid).sum() / count.clamp(min=1)
+        step_loss = torch.where(valid, per_pos, 0.0).sum() / count.clamp(min=1)
         total = total + (decay ** i) * step_loss
-        correct = (logits.argmax(-1) == teacher.argmax(-1)) & valid
+        finite = torch.isfinite(logits).all(-1)
+        correct = (logits.argmax(-1) == teacher.argmax(-1)) & valid & finite
         correct_steps.append(correct)
         valid_steps.append(valid)
         metrics[f"loss_{i}"] = step_loss.detach()

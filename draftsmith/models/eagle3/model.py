@@ -6,6 +6,12 @@ Shapes: H = draft hidden size, H_t = target hidden size, n = number of aux layer
     midlayer:  attention input cat(input_layernorm(e), hidden_norm(h))  (2H wide), residual = h (un-normed)
     norm, lm_head: H -> V_d                               d2t maps a draft id i to target id i + d2t[i]
 
+Forward-pass variants (config flags, named and computed as vLLM's llama_eagle3.py does; all off in the EAGLE-3
+reference and in SGLang): `norm_before_fc` RMS-normalises the concatenated aux features before fc (`input_norm`),
+`fc_norm` each aux layer's (`fc_norm.{i}`); `norm_before_residual` takes the residual after hidden_norm;
+`norm_output` feeds norm(out) instead of out back as the next draft step's hidden (EAGLE 3.1), and the logits are
+read from that normed hidden without a second norm.
+
 Position alignment (the same as vLLM's EAGLE proposer): drafter position t holds the pair
 (embed(x_{t+1}), g_t) and predicts x_{t+2}; the i-th unrolled draft step from t sits at position t + i.
 
@@ -60,6 +66,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         llama = config.llama_config()
+        self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
@@ -70,9 +77,11 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
 
     def finish(self, attn_out, hidden):
-        """o_proj, residual from the un-normed hidden branch, then the MLP block."""
+        """o_proj, residual from the hidden branch (un-normed, or hidden_norm(h) with norm_before_residual), then
+        the MLP block. Returns the layer output before the final norm."""
         b, _, s, _ = attn_out.shape
-        out = hidden + self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, s, -1))  # (B, S, H)
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        out = residual + self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, s, -1))  # (B, S, H)
         return out + self.mlp(self.post_attention_layernorm(out))
 
 
@@ -80,7 +89,11 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        n_aux, width = len(config.aux_layer_ids), config.target_hidden_size
+        self.input_norm = LlamaRMSNorm(n_aux * width, eps=config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(
+            [LlamaRMSNorm(width, eps=config.rms_norm_eps) for _ in range(n_aux)]) if config.fc_norm else None
+        self.fc = nn.Linear(n_aux * width, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -102,8 +115,22 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rotary_emb(like, position_ids)  # (B, S, hd)
         return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, hd)
 
+    def fuse(self, aux_hidden):
+        """fc over the target's aux features (B, S, n*H_t) -> (B, S, H), after the configured input norms."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_hidden)
+
+    def output_hidden(self, out):
+        """The hidden a draft step hands on (to the next step and to `logits`): norm(out) with norm_output."""
+        return self.norm(out) if self.config.norm_output else out
+
     def logits(self, hidden):
-        return self.lm_head(self.norm(hidden))  # (B, S, V_d)
+        """Draft logits (B, S, V_d) of an `output_hidden`: the final norm is applied once, here or there."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     # ---- training: training-time test (TTT) -----------------------------------------------------
     def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None):
@@ -123,7 +150,7 @@ class Eagle3Drafter(nn.Module):
         groups = attn.num_heads // attn.num_kv_heads
         causal = torch.ones(s, s, dtype=torch.bool, device=token_embeds.device).tril()  # (S, S)
 
-        hidden = self.fc(aux_hidden)  # (B, S, H)
+        hidden = self.fuse(aux_hidden)  # (B, S, H)
         keys0 = values0 = None
         diag_keys, diag_values = [], []  # steps 1..i, each (B, h, S, hd)
         step_logits = []
@@ -146,7 +173,7 @@ class Eagle3Drafter(nn.Module):
             out = probs[..., :s] @ values0  # (B, h, S, hd)
             for j, dv in enumerate(diag_values):
                 out = out + probs[..., s + j: s + j + 1] * dv
-            hidden = self.midlayer.finish(out, hidden)  # (B, S, H), input hidden of step i+1
+            hidden = self.output_hidden(self.midlayer.finish(out, hidden))  # (B, S, H), input hidden of step i+1
             step_logits.append(self.logits(hidden))
         return step_logits
 
@@ -162,7 +189,7 @@ class Eagle3Drafter(nn.Module):
     def step(self, embeds, hidden, cache: KVCache, attention_mask=None, position_ids=None):
         """Append T pairs (embeds (B,T,H), hidden (B,T,H)) at slots cache.length..; returns output hidden (B,T,H).
 
-        `hidden` is fc(aux) for committed context and the drafter's previous output hidden while drafting.
+        `hidden` is fuse(aux) for committed context and the drafter's previous output hidden while drafting.
         `attention_mask` (B or 1, 1, T, cache.length+T) bool replaces the causal mask and `position_ids` (B, T)
         the slot positions (draft trees, batches with per-row lengths).
         """
@@ -183,7 +210,7 @@ class Eagle3Drafter(nn.Module):
                     <= torch.arange(start, end, device=embeds.device)[:, None])[None, None]
         out = attend(q, cache.keys[0, :, :, :end], cache.values[0, :, :, :end], mask, scale=attn.head_dim ** -0.5)
         cache.length = end
-        return self.midlayer.finish(out, hidden)
+        return self.output_hidden(self.midlayer.finish(out, hidden))
 
     def step_static(self, embeds, hidden, cache: KVCache, position_ids, attention_mask=None, slots=None):
         """Shape-static `step` for CUDA graphs (B = 1): K/V are scattered at `slots` (T,) (default: the positions
@@ -201,7 +228,7 @@ class Eagle3Drafter(nn.Module):
             key_pos = torch.arange(cache.max_length, device=embeds.device)
             mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (1, 1, T, T_max)
         out = attend(q, cache.keys[0], cache.values[0], mask, scale=attn.head_dim ** -0.5)
-        return self.midlayer.finish(out, hidden)
+        return self.output_hidden(self.midlayer.finish(out, hidden))
 
     def chain_static(self, hidden, start, cache: KVCache, embed_tokens, num_tokens: int, choose=None):
         """`num_tokens` drafts from `hidden` (1, 1, H), the drafter's output at the last committed pair; chain step

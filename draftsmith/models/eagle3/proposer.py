@@ -143,7 +143,7 @@ class Eagle3Proposer:
             self.cache.length = self.committed + n
             self.committed = self.cache.length
             return
-        fused = self.drafter.fc(aux_hidden.to(self.dtype))  # (B, n, H)
+        fused = self.drafter.fuse(aux_hidden.to(self.dtype))  # (B, n, H)
         if not self.ragged:
             out = self._run(token_ids, fused, None, None)  # (B, n, H)
             self.next_hidden = out[:, -1:]
@@ -165,7 +165,7 @@ class Eagle3Proposer:
         """The extend step of one request with fixed shapes (CUDA graphs): pairs at positions start..start+n-1."""
         positions = start + torch.arange(token_ids.shape[1], device=self.device)  # (1, n)
         embeds = self.embed_tokens(token_ids.clamp_min(0))
-        return self.drafter.step_static(embeds, self.drafter.fc(aux_hidden), self.cache, positions)
+        return self.drafter.step_static(embeds, self.drafter.fuse(aux_hidden), self.cache, positions)
 
     # ---- drafting -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -15,8 +15,9 @@ and vLLM's reader (`transformers_utils/configs/speculators/{base,algos}.py`, eng
 
 Where the consumers disagree, draftsmith writes the value that makes them agree:
 
-- `norm_before_residual`: speculators reads a missing key as false, vLLM's speculators path as true. Always
-  written, always false (the residual is the un-normed hidden branch, DESIGN.md §3).
+- the forward-pass flags (`norm_before_fc`, `fc_norm`, `norm_before_residual`, `norm_output`): always written, as
+  the drafter was trained. `norm_before_residual` matters most: speculators reads a missing key as false, vLLM's
+  speculators path as true.
 - aux ids: both read `eagle_aux_hidden_state_layer_ids` as capture ids (id k = HF `output_hidden_states[k]`), the
   same as draftsmith; when the key is missing both fall back to `(2, L//2, L-3)`. Always written.
 - `target_hidden_size`: vLLM sizes `fc` from it; the speculators package ignores it and assumes the target's width
@@ -48,7 +49,7 @@ from draftsmith.models.checkpoint import (
     resolve_checkpoint,
     write_export,
 )
-from draftsmith.models.eagle3.config import METHOD, Eagle3Config
+from draftsmith.models.eagle3.config import FORWARD_FLAGS, METHOD, Eagle3Config
 from draftsmith.models.eagle3.export import (
     AUX_IDS_KEY,
     NATIVE_KEY_MAP,
@@ -66,8 +67,6 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked
 ARCHITECTURE = "Eagle3DraftModel"  # what the speculators package's save_pretrained writes; vLLM replaces it
 EMBED_KEY = "embed_tokens.weight"
 TAGS = ["speculative-decoding", "eagle3", "draftsmith", "vllm", "speculators"]
-# Flags of speculators' Eagle3 that change the forward pass; draftsmith's drafter implements all of them as False.
-FORWARD_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 class SpeculatorsFormatError(ValueError):
@@ -201,7 +200,7 @@ def speculators_config(
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         AUX_IDS_KEY: list(config.aux_layer_ids),  # capture ids, as vLLM and speculators read them
-        **{flag: False for flag in FORWARD_FLAGS},
+        **config.variants(),
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": SPECULATORS_MODEL_TYPE,
@@ -308,10 +307,9 @@ def check_speculators(
     if layer.get("tie_word_embeddings") is not False:
         problems.append("config transformer_layer_config.tie_word_embeddings: must be false (lm_head is the draft's)")
     for flag in FORWARD_FLAGS:
-        if config.get(flag) is not False:
+        if not isinstance(config.get(flag), bool):
             why = " (speculators reads a missing key as false, vLLM as true)" if flag == "norm_before_residual" else ""
-            problems.append(f"config {flag}: {config.get(flag)!r}, expected false, as draftsmith's drafter "
-                            f"computes{why}")
+            problems.append(f"config {flag}: {config.get(flag)!r}, expected true or false{why}")
     draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
     if not is_int(draft_vocab) or draft_vocab <= 0:
         problems.append(f"config draft_vocab_size: {draft_vocab!r}, expected a positive integer")
@@ -377,10 +375,6 @@ def eagle3_config_from_speculators(
             "norm_before_residual is missing: speculators reads that as false and vLLM as true, so the drafter's "
             "residual is ambiguous; add \"norm_before_residual\": false (or true) to config.json"
         )
-    for flag in FORWARD_FLAGS:
-        if config.get(flag):
-            raise SpeculatorsFormatError(f"{flag} is true: draftsmith's EAGLE-3 drafter implements only {flag}=false, "
-                                         "so it would compute different logits from this checkpoint")
     if layer.get("model_type", "llama") != "llama":
         raise SpeculatorsFormatError(f"transformer_layer_config.model_type {layer.get('model_type')!r}: draftsmith's "
                                      "draft layer is Llama-shaped (no q/k norms)")
@@ -393,7 +387,12 @@ def eagle3_config_from_speculators(
         "target_architectures": verifier.get("architectures") or [],
         **{k: v for k, v in prov.items() if v not in (None, "", [])},
     }
-    return eagle3_config_from_native(flat, target_config)
+    config, notes = eagle3_config_from_native(flat, target_config)
+    window = layer.get("sliding_window")
+    if "sliding_attention" in (layer.get("layer_types") or []) and is_int(window):
+        notes.append(f"the draft layer was trained with a {window}-token sliding window; draftsmith attends to the "
+                     f"whole context, which is the same for contexts up to {window} tokens")
+    return config, notes
 
 
 def tensors_from_speculators(
@@ -410,21 +409,24 @@ def tensors_from_speculators(
 
 # ---- export ------------------------------------------------------------------------------------------------
 def speculators_serve_commands(
-    target: str, draft: str, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
+    target: str, draft: str, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS, sglang: bool = True
 ) -> dict[str, str]:
-    """vLLM reads the target and k from config.json; SGLang reads only the native layout, so its line converts first."""
+    """vLLM reads the target and k from config.json; SGLang reads only the native layout, so its line converts first
+    (and is left out for drafters SGLang cannot run: `sglang=False`)."""
     d = shlex.quote(draft)
     native_dir = f"{draft.rstrip('/')}-sglang"
     native = eagle3_serve_commands(target, native_dir, num_speculative_tokens)
-    return {
+    commands = {
         "vLLM": f"vllm serve {d}",
         "vLLM, naming the target": eagle3_serve_commands(target, draft, num_speculative_tokens)["vLLM"],
-        "SGLang (native layout only: convert, then serve)": (
+    }
+    if sglang:
+        commands["SGLang (native layout only: convert, then serve)"] = (
             f"draftsmith import {d} --out {shlex.quote(native_dir + '-checkpoint')} && "
             f"draftsmith export {shlex.quote(native_dir + '-checkpoint')} --format sglang --out "
             f"{shlex.quote(native_dir)} && " + native["SGLang"]
-        ),
-    }
+        )
+    return commands
 
 
 def _num_speculative_tokens(eval_result: Any, ckpt: Path) -> int:
@@ -484,7 +486,8 @@ def export_speculators(
         raise ExportError(f"{ckpt}: refusing to export as speculators EAGLE-3: " + "; ".join(problems))
     warnings += more_warnings
 
-    commands = speculators_serve_commands(cfg.target_name_or_path, str(out_dir), num_tokens)
+    commands = speculators_serve_commands(cfg.target_name_or_path, str(out_dir), num_tokens,
+                                          sglang=not any(cfg.variants().values()))
     card = render_speculators_card(config, commands, recipe_text=notes.recipe_text, eval_result=eval_result)
     return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
                         serve_commands=commands)

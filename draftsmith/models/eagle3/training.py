@@ -15,11 +15,13 @@ class Eagle3Method:
 
     def __init__(self, recipe, target: TargetModel):
         self.target = target
-        self.ttt_steps = recipe.training.ttt_steps
-        self.ttt_decay = recipe.training.ttt_decay
+        training = recipe.training
+        self.ttt_steps = training.ttt_steps
+        self.loss_options = dict(decay=training.ttt_decay, kind=training.loss, lk_eta=training.lk_eta,
+                                 mask_outside_draft_vocab=training.mask_outside_draft_vocab)
         self.config = Eagle3Config.from_target(
             target.config, recipe.model.draft_vocab_size, recipe.model.aux_layer_ids,
-            target_name_or_path=recipe.model.target,
+            target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
         )
         self.aux_layer_ids = self.config.aux_layer_ids
 
@@ -33,12 +35,14 @@ class Eagle3Method:
     def loss(self, drafter, batch: dict[str, torch.Tensor]):
         """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
         captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
-        t2d = _unwrap(drafter).t2d
-        teacher, in_draft = teacher_targets(captured.last_hidden, self.target.lm_head, t2d)
+        model = _unwrap(drafter)
+        draft_ids = torch.arange(model.d2t.numel(), device=model.d2t.device) + model.d2t  # ascending target ids
+        teacher, in_draft = teacher_targets(captured.last_hidden, self.target.lm_head, model.t2d,
+                                            draft_ids=draft_ids)
         with torch.no_grad():
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
         step_logits = drafter(captured.aux_hidden, token_embeds, self.ttt_steps)
-        return ttt_loss(step_logits, teacher, in_draft, batch["loss_mask"], self.ttt_decay)
+        return ttt_loss(step_logits, teacher, in_draft, batch["loss_mask"], **self.loss_options)
 
 
 def _unwrap(module):

@@ -1,0 +1,159 @@
+"""Optimizers, the schedule and the plan a time budget makes; token-budget micro-batches."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3Drafter
+from draftsmith.train import train
+from draftsmith.train import trainer as trainer_mod
+from draftsmith.train.optim import build_optimizers, fixed_plan, muon_groups, plan_for_budget, probe_plan, replan
+from draftsmith.train.trainer import epoch_batches
+from test_train import tiny_recipe, write_conversations  # shared helpers, same folder
+
+
+def test_fixed_plan_is_warmup_then_cosine_to_zero():
+    plan = fixed_plan(100, 0.05)
+    assert plan.warmup == 5 and plan.hold == 0
+    assert [plan.factor(s) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert plan.factor(5) == 1.0
+    assert plan.factor(5 + 95 // 2) == pytest.approx(0.5 * (1 + math.cos(math.pi * 47 / 95)))
+    assert plan.factor(100) == pytest.approx(0.0, abs=1e-12)
+    linear = fixed_plan(100, 0.05, "linear")
+    assert linear.factor(5 + 19) == pytest.approx(1 - 19 / 95)
+
+
+def test_budget_plan_fits_steps_and_evaluations_into_the_time_left():
+    """61 s left at 0.1 s a step, 3% kept free (59.17 s usable), a 2 s evaluation every 100 steps and one at the
+    end: 490 steps end on the step-500 evaluation, 49.0 s plus 5 evaluations = 59.0 s; 491 steps would take
+    49.1 s plus 6 (the final one no longer coincides with a periodic one) = 61.1 s."""
+    plan = plan_for_budget(10, 0.1, 61.0, 0.03, eval_every=100, eval_seconds=2.0)
+    assert (plan.hold, plan.total, plan.warmup) == (10, 500, 14)
+    assert [plan.factor(s) for s in range(10)] == [0.0] * 10  # the probe ran at lr 0
+    assert plan.factor(10) == pytest.approx(1 / 14) and plan.factor(23) == 1.0
+    assert plan.factor(500) == pytest.approx(0.0, abs=1e-12)  # the schedule ends where the budget does
+    assert "490 steps" in plan.note and "5 evaluations" in plan.note
+    assert plan_for_budget(10, 0.1, 61.0, 0.03).total == 10 + 591  # no evaluations: 59.17 s / 0.1 s
+    capped = plan_for_budget(10, 0.1, 60.0, 0.03, max_steps=200)
+    assert capped.total == 200 and "capped by max_steps 200" in capped.note
+    assert probe_plan(10, None).factor(9) == 0.0
+
+
+def test_replan_refits_the_decay_to_the_deadline_and_keeps_the_warmup():
+    """The probe saw 0.2 s steps (first shapes, warm-up), the steady steps run at 0.1 s: at the end of warmup the
+    plan is re-fitted so the schedule still ends at the deadline, with twice the steps it first planned."""
+    first = plan_for_budget(10, 0.2, 61.0, 0.1)  # floor(61 x 0.97 / 0.2) = 295 steps, warmup 29
+    assert (first.total, first.warmup, first.replan_step) == (10 + 295, 29, 10 + 29)  # max(warmup, 295 // 10)
+    # at step 39 the steady steps took 29 x 0.1 s and 57.1 s are left -> floor(57.1 x 0.97 / 0.1) = 553
+    second = replan(first, 39, 0.1, 57.1)
+    assert (second.total, second.warmup, second.hold, second.replans) == (39 + 553, 29, 10, 1)
+    assert second.replan_step == 39 + 553 // 2  # once more, halfway through what is left
+    assert [second.factor(s) for s in range(39)] == [first.factor(s) for s in range(39)]  # the past is kept
+    assert second.factor(39) == pytest.approx(1.0, abs=1e-4) and second.factor(second.total) == pytest.approx(0.0)
+    assert "re-planned at step 39" in second.note
+    third = replan(second, second.replan_step, 0.1, 27.7)
+    assert third.replan_step is None and third.replans == 2  # no more than two re-fits
+    assert plan_for_budget(10, 0.2, 5.0, 0.1).replan_step is None  # too short a run to re-time
+
+
+class FakeClock:
+    """time.time() for the trainer: every call advances half a second, so step times are a pure function of
+    the code path and the plan is reproducible."""
+
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def time(self):
+        self.now += 0.5
+        return self.now
+
+
+def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fixture_target_dir, monkeypatch):
+    monkeypatch.setattr(trainer_mod, "time", FakeClock())
+    data = write_conversations(tmp_path / "conv.jsonl")
+    lines = []
+    recipe = tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=None, epochs=1000, max_minutes=3.0,
+                         time_probe_steps=4, grad_accum_steps=1, eval_every=1000, save_every=1000, warmup_ratio=0.1)
+    train(recipe, log=lines.append)
+    run = tmp_path / "run"
+    state = json.loads((run / "latest").read_text() and (run / (run / "latest").read_text().strip() /
+                                                          "trainer_state.json").read_text())
+    plan = state["plan"]
+    step_ms = float(plan["note"].split(" ms/step")[0])  # a whole number of fake half-second clock reads
+    assert plan["hold"] == 4 and step_ms > 0 and step_ms % 500 == 0
+    assert state["step"] == plan["total"] > 4  # the run ended on its plan, not cut off by the deadline
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert all(lr[s] == 0.0 for s in range(1, 4)) and lr[5] > 0
+    assert lr[plan["total"]] == pytest.approx(0.0, abs=1e-12)
+    assert any(line.startswith("time budget 3.0 min:") for line in lines)
+    replans = [line for line in lines if line.startswith("time budget: re-planned at step")]
+    assert len(replans) == 2 and f"decay to 0 at step {plan['total']}" in replans[-1]  # re-fitted twice, on time
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=50, draft_vocab_size=20, target_hidden_size=32, num_target_layers=8,
+                          aux_layer_ids=[2, 4, 5], norm_before_fc=True)
+    drafter = Eagle3Drafter(config)
+    muon, adamw = muon_groups(drafter)
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    assert sorted(names[id(p)] for p in muon) == sorted([
+        "fc.weight", *(f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"),
+        *(f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down"))])
+    assert "lm_head.weight" in {names[id(p)] for p in adamw} and "input_norm.weight" in {names[id(p)] for p in adamw}
+
+    class Cfg:
+        optimizer, lr, muon_lr, weight_decay, adam_betas = "muon", 1e-3, 2e-3, 0.0, (0.9, 0.95)
+
+    opts = build_optimizers(drafter, Cfg)
+    assert [type(o).__name__ for o in opts] == ["Muon", "AdamW"]
+    assert opts[0].param_groups[0]["lr"] == 2e-3 and opts[1].param_groups[0]["lr"] == 1e-3
+
+
+def test_token_budget_batches_cover_the_epoch_with_little_padding():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 500, (400,), generator=g).tolist()
+    budget = 2048
+    batches = epoch_batches(lengths, 1, seed=3, epoch=0, rank=0, world=1, tokens_per_step=budget)
+    assert sorted(i for b in batches for i in b) == list(range(400))  # every sample once
+    assert all(len(b) * max(lengths[i] for i in b) <= budget for b in batches)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded < 1.1 * sum(lengths)  # similar lengths share a batch
+    random_batches = [list(range(i, i + 8)) for i in range(0, 400, 8)]
+    assert sum(len(b) * max(lengths[i] for i in b) for b in random_batches) > 1.4 * sum(lengths)
+    again = epoch_batches(lengths, 1, seed=3, epoch=0, rank=0, world=1, tokens_per_step=budget)
+    assert again == batches  # a pure function of (seed, epoch): resume sees the same batches
+    assert epoch_batches(lengths, 1, seed=3, epoch=1, rank=0, world=1, tokens_per_step=budget) != batches
+    ranks = [epoch_batches(lengths, 1, 3, 0, r, 2, budget) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) and not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
+
+
+def test_muon_and_token_budget_training_resumes_exactly(tmp_path, fixture_target_dir, monkeypatch):
+    data = write_conversations(tmp_path / "conv.jsonl")
+    options = dict(optimizer="muon", tokens_per_step=192, lr_schedule="linear", loss="lk")
+
+    def losses(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    train(tiny_recipe(fixture_target_dir, data, tmp_path / "full", **options), log=lambda *a: None)
+    expected = losses(tmp_path / "full" / "run")
+    real_save = trainer_mod.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_recipe(fixture_target_dir, data, tmp_path / "cut", **options), log=lambda *a: None)
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    train(tiny_recipe(fixture_target_dir, data, tmp_path / "cut", **options), log=lambda *a: None)
+    resumed = losses(tmp_path / "cut" / "run")
+    assert sorted(resumed) == sorted(expected) == [1, 2, 3, 4, 5, 6]
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
