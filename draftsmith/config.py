@@ -47,7 +47,9 @@ class ModelConfig(BaseModel):
 
     target: str = Field(min_length=1)  # HF id or local path of the target
     method: Literal["eagle3", "mtp", "dflash"] = "eagle3"
-    draft_vocab_size: int = Field(32000, gt=0)
+    # EAGLE-3's draft vocabulary; None = min(32000, the target's vocabulary). MTP and DFlash read out with the
+    # target's whole head and do not use it.
+    draft_vocab_size: int | None = Field(None, gt=0)
     # Capture ids in DESIGN.md's convention (k = residual stream entering layer k,
     # i.e. output_hidden_states[k]); None = the method's default for the target.
     aux_layer_ids: list[int] | None = None
@@ -69,6 +71,16 @@ class ModelConfig(BaseModel):
         if len(set(ids)) != len(ids):
             raise ValueError(f"model.aux_layer_ids {ids} repeats a layer: list each layer once")
         return self
+
+
+DEFAULT_DRAFT_VOCAB_SIZE = 32000  # EAGLE-3's (the reference and SpecForge checkpoints): model.draft_vocab_size null
+
+
+def draft_vocab_size_for(model: ModelConfig, target_vocab_size: int) -> int:
+    """model.draft_vocab_size, or when the recipe leaves it open the default that fits the target."""
+    if model.draft_vocab_size is not None:
+        return model.draft_vocab_size
+    return min(DEFAULT_DRAFT_VOCAB_SIZE, target_vocab_size)
 
 
 class DataConfig(BaseModel):

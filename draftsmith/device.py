@@ -16,7 +16,9 @@ here at all" (True on CPU: torch implements bf16 kernels there, so an explicit
 ``bfloat16`` request is honoured), while ``default_dtype`` answers "what should
 draftsmith pick when asked for auto": bf16 on accelerators with native bf16,
 float32 otherwise, and float32 on CPU where bf16 matmuls are slow on most
-processors and the tests want exact, reproducible arithmetic.
+processors and the tests want exact, reproducible arithmetic. A CPU without
+AVX512-BF16, AMX or Arm's BF16 extension emulates bf16, 30-50x slower than
+float32 for a training step: an explicit bf16 there warns (`native_bf16`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import importlib
 import os
 import platform
+import sys
 import warnings
 from types import ModuleType
 
@@ -115,10 +118,47 @@ def supports_bf16(device: torch.device | str) -> bool:
     raise DeviceError(f"unsupported device type {kind!r}")
 
 
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo flags of native bf16 arithmetic (x86, Arm)
+_said: set[str] = set()  # one-time notes already printed
+
+
+def _note_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        print(f"draftsmith: {message}", file=sys.stderr)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("flags", "Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 arithmetic runs at hardware speed on ``device`` (on a CPU: one of CPU_BF16_FLAGS)."""
+    if _device_type(device) == "cpu":
+        return bool(cpu_flags() & set(CPU_BF16_FLAGS))
+    return supports_bf16(device)
+
+
+def warn_if_emulated_bf16(device: torch.device | str, fix: str) -> None:
+    """One warning when bf16 was asked for on a CPU that only emulates it; `fix` says how to ask for float32."""
+    if _device_type(device) == "cpu" and not native_bf16(device):
+        warnings.warn(f"bfloat16 on this CPU ({platform.processor() or platform.machine()}, no AVX512-BF16, AMX or "
+                      f"BF16 flag) is emulated and runs 30-50x slower than float32: {fix}", stacklevel=3)
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """dtype picked for ``auto``: bf16 on accelerators with native bf16, else float32 (always float32 on CPU)."""
     kind = _device_type(device)
     if kind == "cpu":
+        _note_once("cpu-auto-dtype", "dtype auto on the CPU is float32 (exact, and fast on every CPU)")
         return torch.float32
     return torch.bfloat16 if supports_bf16(device) else torch.float32
 
@@ -143,6 +183,9 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.
             stacklevel=2,
         )
         return torch.float32
+    if dtype == torch.bfloat16:
+        warn_if_emulated_bf16(device, "ask for float32 (--dtype float32; in a recipe model.dtype=float32 "
+                                      "training.mixed_precision=no) or auto")
     return dtype
 
 

@@ -81,3 +81,96 @@ def tiny_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return _factory(Qwen3Config, Qwen3ForCausalLM, head_dim=16)
+
+
+# ---- drafters that accept ---------------------------------------------------------------------------------------
+# A lossless test whose drafter accepts nothing proves only the rejection path. These drafters are trained for a few
+# seconds on the first half of the fixture target's own greedy answers to the first MT-bench prompts: on those
+# prompts they accept most drafts early in an answer and fewer later (each test asserts how much), so acceptance,
+# partial acceptance and rollback all run.
+ACCEPTING_PROMPTS = 3  # MT-bench first turns, of different lengths
+ACCEPTING_NEW_TOKENS = 40
+ACCEPTING_RECIPES = {  # method -> (steps, recipe overrides)
+    "eagle3": (60, {"training": {"ttt_steps": 3, "lr": 3e-3}}),
+    "dflash": (80, {"training": {"lr": 2e-3}, "dflash": {"num_layers": 1, "block_size": 4,
+                                                          "anchors_per_sequence": 64}}),
+    "mtp": (60, {"training": {"lr": 3e-3}, "mtp": {"num_depths": 3}}),
+}
+
+
+@pytest.fixture(scope="session")
+def fixture_prompts():
+    """(the fixture target's float32 TargetModel, tokenizer, the first ACCEPTING_PROMPTS MT-bench prompt ids, the
+    target's greedy answers to them, its EOS ids)."""
+    path = SHARED / "fixtures" / "targets" / "sharegpt-llama-19m"
+    questions = SHARED / "data" / "mt_bench" / "question.jsonl"
+    if not (path / "config.json").is_file() or not questions.is_file():
+        pytest.skip("fixture target or MT-bench questions not found under ../shared")
+    from transformers import AutoTokenizer
+
+    from draftsmith.inference.eval import eos_token_ids, load_prompts
+    from draftsmith.inference.simulate import plain_answers
+    from draftsmith.models.target import TargetModel
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    target = TargetModel.from_pretrained(path, dtype="float32", device="cpu")
+    eos = eos_token_ids(target, tokenizer)
+    prompts = load_prompts(questions, tokenizer, limit=ACCEPTING_PROMPTS)
+    answers = plain_answers(target, prompts, ACCEPTING_NEW_TOKENS, eos)
+    return target, tokenizer, prompts, answers, eos
+
+
+_trained: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def accepting_drafter(fixture_prompts, tmp_path_factory):
+    """`accepting_drafter(method)` -> the checkpoint folder of a drafter of that method trained on the fixture
+    target's own answers (trained once per session)."""
+    import json
+
+    from draftsmith.config import recipe_from_dict
+    from draftsmith.train import train
+
+    target, tokenizer, prompts, answers, eos = fixture_prompts
+
+    def make(method: str) -> Path:
+        if method in _trained:
+            return _trained[method]
+        root = tmp_path_factory.mktemp(f"accepting-{method}")
+        data = root / "own_answers.jsonl"
+        with data.open("w") as f:
+            for _ in range(8):
+                for prompt, answer in zip(prompts, answers):
+                    question = tokenizer.decode(prompt, skip_special_tokens=True).strip()
+                    reply = tokenizer.decode([t for t in answer[: ACCEPTING_NEW_TOKENS // 2] if t not in eos])
+                    f.write(json.dumps({"conversations": [{"role": "user", "content": question},
+                                                          {"role": "assistant", "content": reply}]}) + "\n")
+        steps, overrides = ACCEPTING_RECIPES[method]
+        recipe = {"model": {"target": target.name_or_path, "method": method, "draft_vocab_size": 4000,
+                            "dtype": "float32"},
+                  "data": {"path": str(data), "max_length": 512, "eval_samples": 0, "cache_dir": str(root / "c")},
+                  "training": {"max_steps": steps, "batch_size": 4, "warmup_ratio": 0.05, "log_every": 1000,
+                               "eval_every": 100000, "save_every": 100000, "mixed_precision": "no", "seed": 0},
+                  "output_dir": str(root / "run")}
+        for section, values in overrides.items():
+            recipe.setdefault(section, {}).update(values)
+        train(recipe_from_dict(recipe), log=lambda *a: None)
+        _trained[method] = root / "run"
+        return _trained[method]
+
+    return make
+
+
+def generate_lossless(target, proposer, k, prompts, answers, eos, max_new_tokens=ACCEPTING_NEW_TOKENS):
+    """Generate every prompt with `proposer` at k, assert each output equals the target's plain greedy answer, and
+    return the counters summed over the prompts."""
+    from draftsmith.inference.generator import SpeculativeGenerator
+
+    generator = SpeculativeGenerator(target, proposer, k)
+    total = None
+    for prompt, answer in zip(prompts, answers):
+        result = generator.generate(torch.tensor([prompt]), max_new_tokens, eos)
+        assert result.token_ids == answer[:max_new_tokens]
+        total = result.metrics if total is None else total.merge(result.metrics)
+    return total

@@ -10,7 +10,7 @@ from draftsmith.inference.ngram import NgramProposer
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.eagle3.proposer import Eagle3Proposer
 from draftsmith.models.target import TargetModel
-from test_tree import OracleTreeProposer, untrained_drafter
+from test_tree import OracleTreeProposer
 
 P = PAD_DRAFT_TOKEN
 LENGTHS = (5, 11, 2, 8)
@@ -140,9 +140,19 @@ def test_fixture_ngram_batch_equals_single_runs(fixture_setup):
 
 @pytest.mark.parametrize("tree", [{}, {"dynamic_tree": {"depth": 3, "top_k": 2}, "num_nodes": 5}],
                          ids=["chain", "tree"])
-def test_fixture_eagle3_batch_equals_single_runs(fixture_setup, tree):
-    target, prompts = fixture_setup
-    drafter = untrained_drafter(target)
+def test_fixture_eagle3_batch_equals_single_runs(fixture_prompts, accepting_drafter, tree):
+    """A drafter that accepts: rows accept different counts per step and finish at different steps (one by EOS
+    when this was written), and each row is exactly what it is alone."""
+    from conftest import ACCEPTING_NEW_TOKENS
+
+    from draftsmith.models.eagle3.io import load_drafter
+
+    target, _, prompts, answers, eos = fixture_prompts
+    drafter = load_drafter(accepting_drafter("eagle3"))
     k = 3 if not tree else 5
     make = lambda rows: SpeculativeGenerator(target, Eagle3Proposer(drafter, target.embed_tokens, **tree), k)  # noqa
-    assert_same_as_alone(make, prompts, 12, {6, 2})
+    batch = assert_same_as_alone(make, prompts, ACCEPTING_NEW_TOKENS, eos)
+    assert [r.token_ids for r in batch] == answers
+    accepted = [r.metrics.num_accepted_tokens for r in batch]
+    assert min(accepted) > 0 and len(set(accepted)) > 1  # every row accepted, and each its own amount
+    assert len({len(r.token_ids) for r in batch}) > 1 or len({r.num_target_steps for r in batch}) > 1

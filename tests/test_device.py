@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import pytest
 import torch
@@ -209,3 +210,24 @@ def test_time_ms_runs_once_untimed_then_repeat_times(monkeypatch):
     ms = dev.time_ms(lambda: calls.append(1), "cpu", repeat=7)
     assert len(calls) == 8 and synced == [1, 8]  # warm-up, sync, 7 timed runs, sync
     assert ms >= 0.0
+
+
+@pytest.mark.parametrize("flags, emulated", [({"avx2", "fma"}, True), ({"avx512f", "avx512_bf16"}, False),
+                                             ({"amx_bf16", "amx_tile"}, False), ({"asimd", "bf16"}, False)])
+def test_bf16_on_a_cpu_without_native_bf16_warns_that_it_is_emulated(monkeypatch, flags, emulated):
+    """An AVX2-only CPU ran a bf16 training step 30-50x slower than float32, silently (issue 16, item 3)."""
+    monkeypatch.setattr(dev, "cpu_flags", lambda: set(flags))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dev.resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # honoured, as asked
+        assert dev.resolve_dtype("float32", "cpu") == torch.float32
+    messages = [str(w.message) for w in caught]
+    assert any("emulated and runs 30-50x slower" in m and "--dtype float32" in m for m in messages) == emulated
+    assert dev.native_bf16("cpu") == (not emulated)
+
+
+def test_auto_on_the_cpu_is_float32_and_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(dev, "_said", set())
+    assert dev.resolve_dtype("auto", "cpu") == torch.float32
+    assert dev.resolve_dtype("auto", "cpu") == torch.float32
+    assert capsys.readouterr().err.count("dtype auto on the CPU is float32") == 1

@@ -261,51 +261,41 @@ def untrained_checkpoint(folder, target, learned_mask=True, block_size=8, seed=0
     return folder, drafter
 
 
-def test_untrained_dflash_is_lossless_on_fixture(tmp_path, fixture_target, fixture_target_dir, mt_bench_path):
-    from transformers import AutoTokenizer
+def test_dflash_is_lossless_with_a_drafter_that_accepts(fixture_prompts, accepting_drafter):
+    """Whole blocks accepted, blocks cut short and blocks rejected, and the output is plain greedy decoding's."""
+    from conftest import generate_lossless
 
-    from draftsmith.inference.eval import load_prompts
+    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+
+    target, _, prompts, answers, eos = fixture_prompts
+    k = 3  # the whole block of 4 (tests/conftest.py trains block 4)
+    spec = parse_spec_config({"method": "dflash", "model": str(accepting_drafter("dflash")),
+                              "num_speculative_tokens": k}, "cpu")
+    m = generate_lossless(target, build_proposer(spec, target), k, prompts, answers, eos)
+    assert m.num_accepted_tokens >= 25  # 46 of 195 drafts when this was written
+    assert m.num_accepted_tokens < m.num_draft_tokens and m.num_accepted_tokens_per_pos[-1] > 0
+
+
+def test_batched_generation_equals_each_request_alone(fixture_prompts, accepting_drafter):
+    """Rows of different lengths grow their DFlash context independently, accept their own amounts and finish at
+    different steps; each row's output and counters are its own."""
+    from conftest import ACCEPTING_NEW_TOKENS
+
     from draftsmith.inference.generator import SpeculativeGenerator
     from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 
-    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
-    k = 7  # the whole block of 8
-    folder, _ = untrained_checkpoint(tmp_path / "drafter", fixture_target, learned_mask=True)
-    spec = parse_spec_config({"method": "dflash", "model": str(folder), "num_speculative_tokens": k}, "cpu")
-    speculative = SpeculativeGenerator(fixture_target, build_proposer(spec, fixture_target), k)
-    plain = SpeculativeGenerator(fixture_target, None, k)
-    eos = {tokenizer.eos_token_id}
-    for ids in load_prompts(mt_bench_path, tokenizer, limit=3):
-        prompt = torch.tensor([ids])
-        want = plain.generate(prompt, 24, eos_token_ids=eos)
-        got = speculative.generate(prompt, 24, eos_token_ids=eos)
-        assert got.token_ids == want.token_ids
-        m = got.metrics
-        assert m.num_drafts > 0 and m.num_accepted_tokens <= m.num_draft_tokens <= k * m.num_drafts
-        assert got.num_target_steps == want.num_target_steps - m.num_accepted_tokens
-
-
-def test_batched_generation_equals_each_request_alone(tmp_path, fixture_target, fixture_target_dir, mt_bench_path):
-    """Rows of different lengths grow their DFlash context independently; each row's output is its own (here with
-    mask slots embedded by the target's row of mask_token_id)."""
-    from transformers import AutoTokenizer
-
-    from draftsmith.inference.eval import load_prompts
-    from draftsmith.inference.generator import SpeculativeGenerator
-    from draftsmith.inference.spec_config import build_proposer, parse_spec_config
-
-    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
-    folder, _ = untrained_checkpoint(tmp_path / "drafter", fixture_target, learned_mask=False)
-    spec = parse_spec_config({"method": "dflash", "model": str(folder), "num_speculative_tokens": 3}, "cpu")
-    speculative = SpeculativeGenerator(fixture_target, build_proposer(spec, fixture_target), 3)
-    prompts = load_prompts(mt_bench_path, tokenizer, limit=3)
+    target, _, prompts, answers, eos = fixture_prompts
+    spec = parse_spec_config({"method": "dflash", "model": str(accepting_drafter("dflash")),
+                              "num_speculative_tokens": 3}, "cpu")
+    speculative = SpeculativeGenerator(target, build_proposer(spec, target), 3)
     assert len({len(p) for p in prompts}) > 1
-    eos = {tokenizer.eos_token_id}
-    together = speculative.generate_batch(prompts, 16, eos_token_ids=eos)
-    for ids, got in zip(prompts, together):
-        alone = speculative.generate(torch.tensor([ids]), 16, eos_token_ids=eos)
-        assert got.token_ids == alone.token_ids
-        assert got.metrics.num_accepted_tokens == alone.metrics.num_accepted_tokens
+    together = speculative.generate_batch(prompts, ACCEPTING_NEW_TOKENS, eos_token_ids=eos)
+    for ids, got, answer in zip(prompts, together, answers):
+        alone = speculative.generate(torch.tensor([ids]), ACCEPTING_NEW_TOKENS, eos_token_ids=eos)
+        assert got.token_ids == alone.token_ids == answer
+        assert got.metrics.to_dict() == alone.metrics.to_dict()
+    accepted = [r.metrics.num_accepted_tokens for r in together]
+    assert min(accepted) > 0 and len(set(accepted)) > 1
 
 
 def test_ragged_rows_draft_as_if_alone():
@@ -428,7 +418,8 @@ def test_tiny_training_run_writes_a_loadable_checkpoint(tmp_path, fixture_target
     assert len(losses) == 10 and sum(losses[-3:]) < 0.8 * sum(losses[:3])
     assert {"train/acc_0", "train/loss_2", "train/sim_accept_len"} <= set(rows[0])
     evals = [r for r in rows if "eval/loss" in r]
-    assert evals and 1.0 <= evals[-1]["eval/sim_accept_len"] <= 4.0
+    # ten steps on two repeated replies: some first-slot drafts are already right (1.06 when this was written)
+    assert evals and evals[-1]["eval/sim_accept_len"] > 1.0 and evals[-1]["eval/acc_0"] > 0
 
 
 def test_training_refuses_eagle3_aux_ids(tmp_path, fixture_target_dir, fixture_target):

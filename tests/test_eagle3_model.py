@@ -86,6 +86,41 @@ def test_ttt_attention_pattern_as_a_grid():
             assert changed == bool(allowed[t][u]), (t, u)
 
 
+@torch.no_grad()
+def test_ttt_attention_pattern_per_step_keys(monkeypatch):
+    """Which keys a TTT step-2 query sees, key by key: perturb the key of one step at one position (nothing else)
+    and watch step 2's outputs. Step-0 keys are seen causally, the keys of steps 1 and 2 only at the query's own
+    position (the diagonal). A pattern that were causal over later steps' keys, or diagonal only, fails here."""
+    drafter = tiny_drafter(3)
+    S, steps = 6, 3
+    aux, emb = torch.randn(1, S, 3 * H), torch.randn(1, S, H)
+    attn = drafter.midlayer.self_attn
+    real_qkv = attn.qkv
+    plan = {}  # (step, position) whose key gets a bump
+
+    def qkv(x, cos, sin):
+        q, k, v = real_qkv(x, cos, sin)
+        step = qkv.calls
+        qkv.calls += 1
+        if plan.get("step") == step:
+            k = k.clone()
+            k[:, :, plan["position"]] += 3.0
+        return q, k, v
+
+    monkeypatch.setattr(attn, "qkv", qkv)
+    qkv.calls = 0
+    base = drafter.forward_ttt(aux, emb, num_steps=steps)[2]
+    for step in range(steps):
+        for u in range(S):
+            plan.update(step=step, position=u)
+            qkv.calls = 0
+            out = drafter.forward_ttt(aux, emb, num_steps=steps)[2]
+            for t in range(S):
+                changed = not torch.allclose(out[:, t], base[:, t], atol=1e-6)
+                expected = t >= u if step == 0 else t == u
+                assert changed == expected, (step, u, t)
+
+
 def slow_ttt_loss(step_logits, teacher_logits_full, t2d, loss_mask, decay):
     """Per position, per step, written out with the alignment of DESIGN.md: step i at t -> target logits t+1+i."""
     S = loss_mask.shape[1]
@@ -113,16 +148,31 @@ def test_ttt_loss_matches_slow_reference():
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.randperm(V)[:VD]] = True
     teacher_full = torch.randn(1, S, V) * 3
-    teacher_full[0, 4, ~t2d] += 50  # one position whose target argmax is outside the draft vocab
+    teacher_full[..., t2d] += 6  # argmaxes mostly in the draft vocab,
+    teacher_full[0, 4, ~t2d] += 50  # but one position's outside it
     step_logits = [torch.randn(1, S, VD) for _ in range(steps)]
+    for i, t in [(0, 1), (1, 1), (0, 2), (0, 3), (1, 3), (2, 3)]:  # some right drafts: runs of 0 to 3 steps
+        step_logits[i][0, t] = teacher_full[0, t + 1 + i][t2d] * 10
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1]])
     in_draft = t2d[teacher_full.argmax(-1)]
     loss, metrics = ttt_loss(step_logits, teacher_full[..., t2d], in_draft, loss_mask, decay=0.8)
     expected, counts = slow_ttt_loss(step_logits, teacher_full, t2d, loss_mask, 0.8)
     assert math.isclose(loss.item(), expected, rel_tol=1e-5)
     assert [metrics[f"count_{i}"].item() for i in range(steps)] == counts
-    assert counts[0] > 0 and counts[0] <= 5  # at most the 5 masked tokens that have a step-0 predictor
-    assert 1.0 <= metrics["sim_accept_len"].item() <= 1 + steps
+    assert 0 < counts[0] <= 5  # at most the 5 masked tokens that have a step-0 predictor
+    # simulated acceptance length, written out: per position with a valid step 0, 1 + the leading correct steps
+    runs = []
+    for t in range(S):
+        def ok(i):
+            p_pos, tok_pos = t + 1 + i, t + 2 + i
+            return (tok_pos < S and bool(loss_mask[0, tok_pos]) and bool(t2d[teacher_full[0, p_pos].argmax()])
+                    and step_logits[i][0, t].argmax() == teacher_full[0, p_pos][t2d].argmax())
+        if t + 2 < S and loss_mask[0, t + 2] and t2d[teacher_full[0, t + 1].argmax()]:
+            run = 0
+            while run < steps and ok(run):
+                run += 1
+            runs.append(run)
+    assert sum(runs) > 0 and metrics["sim_accept_len"].item() == pytest.approx(1 + sum(runs) / len(runs))
 
 
 def test_simulated_acceptance_counts_leading_correct_steps():

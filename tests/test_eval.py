@@ -2,11 +2,12 @@
 and a tiny end-to-end sweep (random target, ngram + suffix) whose JSON, table and PNGs are checked."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from draftsmith.inference.eval import EvalError, expand_spec_configs, name_datasets, run_sweep, write_eval_json
+from draftsmith.inference.eval import EvalError, expand_spec_configs, name_datasets, run_eval, run_sweep, write_eval_json
 from draftsmith.inference.report import (
     add_recommendations,
     format_report,
@@ -240,3 +241,82 @@ def test_report_explains_outputs_that_differ_from_plain_decoding():
     bf16 = format_report(sweep(2), dtype="bfloat16")
     assert "note: 1 config(s) differ from plain decoding in bfloat16" in bf16 and "--dtype float32" in bf16
     assert "WARNING: 1 config(s) changed greedy outputs in float32" in format_report(sweep(2), dtype="float32")
+
+
+def _hub_cache_repo(cache: Path, repo_id: str, files_from: Path) -> Path:
+    """A Hugging Face cache entry for `repo_id` (refs/main -> one snapshot) holding copies of `files_from`."""
+    import shutil
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(files_from, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return repo
+
+
+def test_generate_and_eval_take_hub_ids_for_the_target_and_the_drafter(fixture_target_dir, mt_bench_path, tmp_path):
+    """The README's `--target meta-llama/...` used to fail with "no config.json there": Hub ids resolve through
+    huggingface_hub as in `train`, here offline from its cache (issue 16, item 13)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_export import make_checkpoint
+    from transformers import AutoConfig
+
+    from draftsmith.models.eagle3.config import Eagle3Config
+
+    cache = tmp_path / "hub"
+    _hub_cache_repo(cache, "org/chat-19m", fixture_target_dir)
+    cfg = Eagle3Config.from_target(AutoConfig.from_pretrained(fixture_target_dir), 512,
+                                   target_name_or_path="org/chat-19m")
+    ckpt = make_checkpoint(tmp_path / "run", cfg)
+    _hub_cache_repo(cache, "org/chat-19m-eagle3", ckpt)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    spec = '{"method": "eagle3", "model": "org/chat-19m-eagle3", "num_speculative_tokens": 2}'
+    run = [sys.executable, "-m", "draftsmith.cli"]
+    generated = subprocess.run([*run, "generate", "--target", "org/chat-19m", "--device", "cpu", "--prompt", "Hi",
+                                "--max-new-tokens", "4", "--speculative-config", spec, "--json"],
+                               env=env, capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    assert json.loads(generated.stdout)["metrics"]["num_drafts"] >= 1
+    evaluated = subprocess.run([*run, "eval", "--target", "org/chat-19m", "--device", "cpu", "--dataset",
+                                str(mt_bench_path), "--num-prompts", "1", "--max-new-tokens", "4",
+                                "--speculative-config", spec, "--out", str(tmp_path / "eval")],
+                               env=env, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    missing = subprocess.run([*run, "generate", "--target", "org/not-cached", "--device", "cpu", "--prompt", "Hi"],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr[-2000:]
+
+
+def test_batched_eval_serves_prompts_together_and_compares_at_the_same_concurrency(tiny_llama, monkeypatch):
+    """`eval --batch-size N`: the baseline and each config run N prompts per generate_batch call; outputs stay
+    equal to plain decoding, and a batch's wall time counts once."""
+    from draftsmith.inference import eval as eval_mod
+    from draftsmith.inference.spec_config import parse_spec_config
+    from draftsmith.models.target import TargetModel
+
+    model, _ = tiny_llama()
+    target = TargetModel(model.eval())
+    calls = []
+    real = eval_mod.SpeculativeGenerator.generate_batch
+
+    def spy(self, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return real(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(eval_mod.SpeculativeGenerator, "generate_batch", spy)
+
+    class Tok:
+        eos_token_id = None
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 5, 7, 4)]
+    spec = parse_spec_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    result = run_eval(target, Tok(), prompts, [spec], max_new_tokens=12, progress=False, batch_size=2)
+    assert result["batch_size"] == 2 and 0 < result["baseline"]["tokens"] <= 5 * 12
+    # warm-up batch, then 2 + 2 + the odd prompt alone (generate() is a batch of one), for the baseline and ngram
+    assert calls == [2, 2, 2, 1] * 2
+    assert result["results"][0]["lossless_mismatches"] == 0

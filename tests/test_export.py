@@ -379,3 +379,121 @@ def test_written_files_follow_the_umask(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+# ---- NaN weights, full disks, killed exports (issue 16, items 9, 11, 12) ---------------------------------------
+def test_non_finite_weights_are_refused_and_nothing_is_written(tmp_path):
+    cfg = tiny_eagle3_config()
+    tensors = random_eagle3_tensors(cfg)
+    tensors["midlayer.mlp.up_proj.weight"][3, 5] = float("nan")
+    ckpt = make_checkpoint(tmp_path / "run", cfg, tensors)
+    with pytest.raises(ExportError, match=r"model.safetensors: 1 tensor\(s\) hold NaN or inf values "
+                                          r"\(midlayer.mlp.up_proj.weight\): the training diverged"):
+        export_native_eagle3(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from draftsmith.models import checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "run", tiny_eagle3_config())
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", no_space)
+    out = tmp_path / "out"
+    assert run_export(_cli(str(ckpt), "--format", "sglang", "--out", str(out))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out / 'model.safetensors'}: disk full" in err and "free space" in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys
+from draftsmith.models import checkpoint
+
+def half_then_die(tensors, filename, metadata=None):  # kill -9 while the weights are half on disk
+    with open(filename, "wb") as f:
+        f.write(b"partial")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.save_file = half_then_die
+from draftsmith.models.export import main
+main(sys.argv[1:])
+"""
+
+
+def _export_killed_mid_write(*argv: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, *argv], cwd=repo, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+
+def test_a_killed_export_leaves_nothing_the_next_run_trips_on(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "run", tiny_eagle3_config())
+    out = tmp_path / "out"
+    _export_killed_mid_write(str(ckpt), "--format", "sglang", "--out", str(out))
+    assert not out.exists()
+    export_native_eagle3(ckpt, out)  # the next run removes the killed one's temporary folder
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert leftovers(tmp_path) == []
+
+
+def test_a_killed_format_all_leaves_no_partial_folder(tmp_path):
+    """`--format all` killed inside its first format once left `out/` holding a partial `sglang.tmp-*`, which
+    blocked the rerun without --overwrite: the set is now built beside `out` and renamed into place whole."""
+    from transformers import LlamaForCausalLM
+
+    from draftsmith.models.export import export_all
+
+    target = tmp_path / "target"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128,
+                                 max_position_embeddings=512)).save_pretrained(target)
+    cfg = tiny_eagle3_config()
+    cfg.target_name_or_path, cfg.target_architectures = str(target), ["LlamaForCausalLM"]
+    ckpt = make_checkpoint(tmp_path / "run", cfg)
+    out = tmp_path / "out"
+    _export_killed_mid_write(str(ckpt), "--format", "all", "--out", str(out))
+    assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+    results, _ = export_all(ckpt, out)  # no --overwrite needed
+    assert sorted(results) == sorted(p.name for p in out.iterdir()) == ["sglang", "speculators"]
+    assert str(out / "sglang") in (out / "sglang" / "README.md").read_text()  # the card names the final folder
+    assert leftovers(tmp_path) == []
+
+
+def test_only_stale_temporaries_of_this_folder_are_removed(tmp_path):
+    """Ours and stale: the name pattern of this folder, and a writer that is gone (its pid not running, or a
+    pid-less name from before this run). A live writer's folder and other folders' stay."""
+    import os
+    import subprocess
+    import sys
+
+    from draftsmith.models.checkpoint import remove_stale_temporaries
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    out = tmp_path / "out"
+    names = {
+        "dead": f"out.tmp-{gone.pid}-0123abcd",
+        "live": f"out.tmp-{os.getppid()}-0123abcd",  # pytest's parent: running, and started before the folder
+        "legacy": "out.tmp-89abcdef",
+        "other": f"other.tmp-{gone.pid}-0123abcd",
+        "old": f"out.old-{gone.pid}-0123abcd",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    os.utime(tmp_path / names["legacy"], (0, 0))  # written long before this run
+    removed = remove_stale_temporaries(out)
+    assert sorted(p.name for p in removed) == sorted([names["dead"], names["legacy"]])
+    assert (out / "config.json").is_file()  # the .old- folder of a replace killed halfway is the export again
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", names["live"], names["other"]])

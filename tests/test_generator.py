@@ -204,6 +204,23 @@ def test_cli_generate_json_and_errors(fixture_target_dir, capsys):
     assert rc == 2 and "/nonexistent/q.jsonl" in err and len(err.strip().splitlines()) == 1
 
 
+def test_cli_generate_serves_several_prompts_as_one_batch(fixture_target_dir, capsys):
+    """Repeated --prompt: one batch, one JSON line per prompt, each the output that prompt gets alone."""
+    from draftsmith.cli import main
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    common = ["generate", "--target", str(fixture_target_dir), "--speculative-config", spec, "--max-new-tokens",
+              "10", "--json", "--device", "cpu", "--dtype", "float32"]
+    prompts = ["Tell me about the ocean.", "Hi", "Write a very short poem about autumn leaves and wind."]
+    alone = []
+    for prompt in prompts:
+        assert main([*common, "--prompt", prompt]) == 0
+        alone.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert main([*common, *[x for p in prompts for x in ("--prompt", p)]]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in rows] == alone and {r["batch_size"] for r in rows} == {3}
+
+
 def test_cli_compile_flag_reaches_the_target(fixture_target_dir, capsys, monkeypatch):
     """`--compile` builds the target with its decoder layers compiled for graphed steps (DRAFTSMITH_COMPILE=1);
     without it the environment decides, and on the CPU (no graphs) the output is the same either way."""

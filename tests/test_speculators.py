@@ -31,6 +31,7 @@ from draftsmith.models.eagle3.speculators import (
     export_speculators,
     load_target_embedding,
     speculators_config,
+    verifier_name,
 )
 from draftsmith.models.export import add_export_args, export_all, run_export
 
@@ -81,7 +82,8 @@ def test_export_writes_the_speculators_layout(tmp_path, target_dir):
     result = export_speculators(make_checkpoint(tmp_path / "run", cfg, tensors), out, dtype=None)
 
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
-    assert leftovers(tmp_path) == [] and result.warnings == []
+    assert leftovers(tmp_path) == []
+    assert len(result.warnings) == 1 and "local path" in result.warnings[0] and "--verifier" in result.warnings[0]
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["norm_before_residual"] is False  # explicit: vLLM's speculators path would default it to true
@@ -102,6 +104,32 @@ def test_export_writes_the_speculators_layout(tmp_path, target_dir):
         assert torch.equal(f.get_tensor("layers.0.mlp.down_proj.weight"), tensors["midlayer.mlp.down_proj.weight"])
         with safe_open(target_dir / "model.safetensors", "pt") as t:
             assert torch.equal(f.get_tensor("embed_tokens.weight"), t.get_tensor("model.embed_tokens.weight"))
+
+
+def test_the_verifier_is_the_targets_hub_id_wherever_one_is_known(tmp_path):
+    """A pushed checkpoint used to name a folder on the trainer's machine as its verifier (issue 16, item 6)."""
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "0e9e39f"
+    snapshot.mkdir(parents=True)
+    assert verifier_name("meta-llama/Llama-3.1-8B-Instruct") == ("meta-llama/Llama-3.1-8B-Instruct", None)
+    assert verifier_name(str(snapshot)) == ("meta-llama/Llama-3.1-8B-Instruct", None)  # loaded from the HF cache
+    assert verifier_name(str(tmp_path), "org/my-target") == ("org/my-target", None)  # export --verifier
+    name, why = verifier_name(str(tmp_path))
+    assert name == str(tmp_path) and "pass --verifier ORG/NAME" in why
+
+
+def test_export_verifier_override_reaches_config_and_serve_command(tmp_path, target_dir, capsys):
+    cfg = eagle3_config(target_dir)
+    ckpt = make_checkpoint(tmp_path / "run", cfg)
+    result = export_speculators(ckpt, tmp_path / "out", verifier="org/target")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target" and result.warnings == []
+    assert result.serve_commands["vLLM, naming the target"].startswith("vllm serve org/target ")
+    # the CLI flag, for one format and for --format all (whose sglang export does not take it)
+    for fmt, folder in (("speculators", tmp_path / "cli"), ("all", tmp_path / "cli-all")):
+        assert run_export(_args(str(ckpt), "--format", fmt, "--out", str(folder), "--verifier", "org/t2")) == 0
+        written = folder / "config.json" if fmt == "speculators" else folder / "speculators" / "config.json"
+        assert json.loads(written.read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/t2"
+    assert "local path" not in capsys.readouterr().err
 
 
 def test_embedding_is_read_through_the_shard_index(fixture_target_dir):

@@ -134,3 +134,29 @@ def test_static_layer_function_with_merged_projections_equals_module_step(kind):
     torch.testing.assert_close(logits, want[:, 6:], atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want)  # the module path still computes the same
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_targets_run_inside_the_window_and_are_refused_past_it(kind):
+    """A Mistral-7B-v0.1-style config (`sliding_window` set, no `use_sliding_window` flag) used to run full
+    attention past its window silently; inside the window both attentions are the same (issue 16, item 4)."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from draftsmith.inference.generator import SpeculativeGenerator
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = (MistralConfig(sliding_window=24, **common) if kind == "mistral" else
+              Qwen2Config(use_sliding_window=True, sliding_window=24, max_window_layers=2, **common))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    target = TargetModel(model)
+    ids = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)[0, 10:].tolist()
+    plain = SpeculativeGenerator(target, None, 0)
+    assert plain.generate(ids, max_new_tokens=8).token_ids == ref  # 10 + 8 positions, inside the window of 24
+    with pytest.raises(TargetError, match="sliding-window attention \\(24 tokens\\).*shorten it"):
+        plain.generate(ids, max_new_tokens=20)  # would reach position 30: refused before the first token
+    llama = TargetModel(_tiny("llama"))
+    assert llama.new_cache(1, 1000).max_length >= 1000  # full-attention targets have no such limit

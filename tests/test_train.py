@@ -77,7 +77,8 @@ def test_training_lowers_loss_and_writes_a_loadable_checkpoint(tmp_path, fixture
     train_losses = [r["loss"] for r in rows if "loss" in r]
     assert sum(train_losses[-5:]) / 5 < 0.7 * sum(train_losses[:5]) / 5
     evals = [r for r in rows if "eval/loss" in r]
-    assert evals and 1.0 <= evals[-1]["eval/sim_accept_len"] <= 3.0
+    # the replies repeat, so 30 steps learn them: most step-0 drafts right (2.46 and 0.93 when this was written)
+    assert evals and evals[-1]["eval/sim_accept_len"] > 1.8 and evals[-1]["eval/acc_0"] > 0.6
     assert (tmp_path / "run" / "latest").read_text().strip() == ckpt.name
     drafter = load_drafter(tmp_path / "run")  # an output_dir means its latest checkpoint
     assert drafter.config.draft_vocab_size == 512 and drafter.t2d.sum() == 512
@@ -102,3 +103,192 @@ def test_init_from_continues_from_a_checkpoint(tmp_path, fixture_target_dir):
     bad.model.init_from = str(first)
     with pytest.raises(TrainingError, match="does not fit"):
         train(bad, log=lambda *a: None)
+
+
+# ---- health: NaN and stuck runs (issue 16, item 9) -----------------------------------------------------------------
+def poison_target(monkeypatch, poison):
+    """TargetModel.from_pretrained returns the fixture with `poison(model)` applied: a NaN weight."""
+    from draftsmith.models.target import TargetModel
+
+    real = TargetModel.from_pretrained.__func__
+
+    def patched(cls, *args, **kwargs):
+        target = real(cls, *args, **kwargs)
+        with torch.no_grad():
+            poison(target.model)
+        return target
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", classmethod(patched))
+
+
+def test_nan_features_stop_the_run_naming_the_step_and_the_sample(tmp_path, fixture_target_dir, monkeypatch):
+    """The target's forward turns NaN on a word that only one sample holds (as an fp16 overflow would, with
+    finite weights): the run stops with the step and that sample named (found at the step-6 log line, it names
+    step 2) and writes no checkpoint."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.train.trainer import TrainingError, epoch_batches
+
+    order = epoch_batches([1] * 20, 2, seed=7, epoch=0, rank=0, world=1)  # 24 records, 4 held out, batches of 2
+    poisoned = order[2][1]  # micro-batch 2 opens optimizer step 2 (grad_accum_steps 2)
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    data = write_conversations(tmp_path / "conv.jsonl")
+    texts = data.read_text().splitlines()
+    texts[poisoned] = texts[poisoned].replace("Question number", "Question on Zanzibar quokkas number")
+    data.write_text("\n".join(texts) + "\n")
+    others = {t for i, line in enumerate(texts) if i != poisoned for t in tokenizer(line)["input_ids"]}
+    unique = [t for t in tokenizer(" Zanzibar quokkas")["input_ids"]
+              if t in tokenizer(texts[poisoned])["input_ids"] and t not in others]
+    assert unique, "the poisoned word needs a token no other sample has"
+
+    def nan_on_the_word(model):
+        def hook(module, inputs, output):
+            return output.masked_fill((inputs[0] == unique[0]).unsqueeze(-1), float("nan"))
+
+        model.get_input_embeddings().register_forward_hook(hook)
+
+    poison_target(monkeypatch, nan_on_the_word)
+    recipe = tiny_recipe(fixture_target_dir, data, tmp_path, log_every=6, eval_every=6, save_every=6)
+    with pytest.raises(TrainingError) as raised:
+        train(recipe, log=lambda *a: None)
+    message = str(raised.value)
+    assert message.startswith("step 2: the target's hidden states for training sample ") and "\n" not in message
+    assert f"training sample {poisoned} (" in message and "not finite" in message
+    assert not list((tmp_path / "run").glob("checkpoint-*")), "a NaN never reaches a checkpoint"
+
+
+def test_a_target_with_a_nan_weight_is_refused_naming_the_tensor(tmp_path, fixture_target_dir, monkeypatch):
+    """A NaN in the target's lm_head leaves its features finite; EAGLE-3 would mask the NaN teacher rows away and
+    train on nothing. The weights are checked once at load."""
+    from draftsmith.train.trainer import TrainingError
+
+    poison_target(monkeypatch, lambda m: m.get_output_embeddings().weight[7, 3].fill_(float("nan")))
+    data = write_conversations(tmp_path / "conv.jsonl")
+    tied = "model.embed_tokens.weight"  # the fixture ties its lm_head to the embedding
+    with pytest.raises(TrainingError, match=rf"the target's weight (lm_head.weight|{tied}) holds NaN or inf"):
+        train(tiny_recipe(fixture_target_dir, data, tmp_path), log=lambda *a: None)
+
+
+def test_a_nan_loss_stops_the_run_before_the_first_checkpoint(tmp_path, fixture_target_dir, monkeypatch):
+    """The drafter's loss turns NaN at the third micro-batch (step 2); the step-3 log line finds it, names step
+    2, and the step-3 checkpoint is never written."""
+    from draftsmith.models.eagle3.training import Eagle3Method
+    from draftsmith.train.trainer import TrainingError
+
+    real_loss, calls = Eagle3Method.loss, []
+
+    def loss(self, drafter, batch):
+        value, metrics = real_loss(self, drafter, batch)
+        calls.append(1)
+        return (value * float("nan") if len(calls) == 3 else value), metrics
+
+    monkeypatch.setattr(Eagle3Method, "loss", loss)
+    data = write_conversations(tmp_path / "conv.jsonl")
+    with pytest.raises(TrainingError, match=r"^step 2: the loss is not finite"):
+        train(tiny_recipe(fixture_target_dir, data, tmp_path, log_every=3), log=lambda *a: None)
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_stuck_run_is_warned_about(tmp_path, fixture_target_dir):
+    """training.lr=1e6 saturates the drafter after one step: gradient norm 0 and a loss that does not move."""
+    lines = []
+    data = write_conversations(tmp_path / "conv.jsonl")
+    train(tiny_recipe(fixture_target_dir, data, tmp_path, lr=1e6, max_steps=7, eval_every=100, save_every=100),
+          log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning: ")]
+    assert any("gradient norm is exactly 0" in w and "training.lr" in w for w in warnings), lines
+    assert any("the loss has not moved" in w for w in warnings), lines
+    assert len(warnings) == 2  # once each, not every log line
+
+
+# ---- resume: same recipe only, one row per step, the weights stored once (items 10, 14) --------------------------
+def test_a_changed_recipe_is_not_resumed(tmp_path, fixture_target_dir):
+    from draftsmith.train.trainer import TrainingError
+
+    data = write_conversations(tmp_path / "conv.jsonl")
+    train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2), log=lambda *a: None)
+    changed = tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=3)
+    changed.model.aux_layer_ids = [1, 4, 5]  # the default is [2, 4, 5]: same fc shape, other features
+    with pytest.raises(TrainingError) as raised:
+        train(changed, log=lambda *a: None)
+    message = str(raised.value)
+    assert "model.aux_layer_ids null there, [1, 4, 5] now" in message and "\n" not in message
+    assert "set output_dir to a new folder, or delete" in message
+    lines = []
+    train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=3), log=lines.append)  # training keys may change
+    assert any(line.startswith("resuming from") and "at step 2" in line for line in lines)
+
+
+def test_resume_keeps_one_metrics_row_per_step(tmp_path, fixture_target_dir, monkeypatch):
+    """Killed after logging step 4 (the last checkpoint is step 3): the resumed run logs step 4 again, once."""
+    data = write_conversations(tmp_path / "conv.jsonl")
+    real_log_row = trainer_mod._log_row
+
+    def log_then_die(accelerator, path, row):
+        real_log_row(accelerator, path, row)
+        if row["step"] == 4 and "loss" in row:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_mod, "_log_row", log_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_recipe(fixture_target_dir, data, tmp_path), log=lambda *a: None)
+    monkeypatch.setattr(trainer_mod, "_log_row", real_log_row)
+    train(tiny_recipe(fixture_target_dir, data, tmp_path), log=lambda *a: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows if "loss" in r]
+    eval_steps = [r["step"] for r in rows if "eval/loss" in r]
+    assert (train_steps, eval_steps) == ([1, 2, 3, 4, 5, 6], [3, 6])
+
+
+def test_a_checkpoint_stores_the_weights_once(tmp_path, fixture_target_dir):
+    from safetensors.torch import load_file
+
+    data = write_conversations(tmp_path / "conv.jsonl")
+    ckpt = train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=1), log=lambda *a: None)
+    state_files = sorted(p.name for p in (ckpt / "training_state").iterdir())
+    assert not [name for name in state_files if name.startswith(("model", "pytorch_model"))], state_files
+    weights = sum(t.numel() * t.element_size() for t in load_file(ckpt / "model.safetensors").values())
+    total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    assert total < 3.3 * weights  # the weights once plus AdamW's two moments, not the weights twice
+
+
+def test_a_tokenizer_that_does_not_fit_the_target_is_refused_or_warned():
+    """Issue 16, item 14: a tokenizer smaller than the target's vocabulary trained silently."""
+    import warnings
+
+    from draftsmith.train.trainer import TrainingError, check_tokenizer_fits
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_tokenizer_fits(151669, 151936, "Qwen/Qwen3-8B")  # padded embedding rows: fine, silent
+        check_tokenizer_fits(16000, 16000, "fixture")
+    with pytest.warns(UserWarning, match="32000 tokens, the target's vocabulary 128256"):
+        check_tokenizer_fits(32000, 128256, "meta-llama/Llama-3.1-8B-Instruct")
+    with pytest.raises(TrainingError, match="more than the target's vocabulary of 16000"):
+        check_tokenizer_fits(32000, 16000, "fixture")
+
+
+def test_shipped_recipes_train_on_another_target_without_overrides_for_what_they_leave_open(tmp_path,
+                                                                                             fixture_target_dir):
+    """The DFlash recipe needed model.draft_vocab_size and dflash.mask_token_id overrides to train for the fixture
+    (issue 16, item 8): what a recipe leaves open now follows the target, and the choice is logged."""
+    from draftsmith.config import load_recipe
+
+    data = write_conversations(tmp_path / "conv.jsonl")
+    for name in ("dflash_sharegpt", "mtp_sharegpt", "eagle3_sharegpt"):
+        lines = []
+        recipe = load_recipe(f"recipes/{name}.yaml", [
+            f"model.target={fixture_target_dir}", f"data.path={data}", "data.eval_samples=2", "data.max_length=96",
+            f"data.cache_dir={tmp_path / 'cache'}", "training.max_steps=1", "training.batch_size=2",
+            "training.grad_accum_steps=1", "training.report_to=none", "training.mixed_precision=no",
+            "model.dtype=float32", f"output_dir={tmp_path / name}",
+            *(["model.draft_vocab_size=null"] if name.startswith("eagle3") else [])])  # 32000 does not fit: open it
+        train(recipe, log=lines.append)
+        text = "\n".join(lines)
+        if name.startswith("dflash"):
+            assert "dflash: mask slots use a learned mask embedding (engines substitute it at spare token id 0)" in text
+        if name.startswith("mtp"):
+            assert "model.draft_vocab_size is not used by mtp" in text
+        if name.startswith("eagle3"):
+            assert "eagle3: norm_before_fc, norm_before_residual, norm_output on" in text
+            assert "draft vocab: 16000 of 16000 tokens" in text  # min(32000, the target's)

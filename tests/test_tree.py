@@ -132,6 +132,26 @@ def test_dynamic_tree_keeps_the_best_nodes_as_a_connected_subtree():
     assert parents.tolist() == [[R, R, R]]
 
 
+def test_dynamic_tree_row_depths_give_each_row_its_own_tree():
+    """In a batch, a row capped at depth d gets, first, exactly the nodes it would get alone with max_depth=d
+    (the rest, past its cap, come last and are not its drafts); without a cap the tree is the usual one."""
+    from draftsmith.inference.tree import nodes_within_depth
+
+    torch.manual_seed(1)
+    vocab, depth, top_k, num_nodes = 12, 3, 2, 6
+    table = torch.log_softmax(torch.randn(vocab, vocab) * 2, -1)
+    root = torch.log_softmax(torch.randn(2, vocab) * 2, -1)  # two rows
+    caps = torch.tensor([1, 3])
+    tokens, parents, scores = dynamic_tree(root, markov_expand(table), depth, top_k, num_nodes, row_depths=caps)
+    own = nodes_within_depth(caps, depth, top_k, num_nodes).tolist()
+    assert own == [2, 6]
+    for row, cap in enumerate(caps.tolist()):
+        alone = dynamic_tree(root[row:row + 1], markov_expand(table), depth, top_k, num_nodes, max_depth=cap)
+        n = own[row]
+        assert tokens[row, :n].tolist() == alone[0][0].tolist() and parents[row, :n].tolist() == alone[1][0].tolist()
+        torch.testing.assert_close(scores[row, :n], alone[2][0])
+
+
 def test_static_tree_fills_ranks():
     vocab = 6
     table = torch.log_softmax(torch.arange(vocab, dtype=torch.float).flip(0).expand(vocab, -1).clone(), -1)
@@ -366,18 +386,20 @@ TREES = {
 
 
 @pytest.mark.parametrize("kind", list(TREES))
-def test_eagle3_greedy_tree_decoding_equals_plain_greedy_on_fixture(fixture_target, prompts, kind):
+def test_eagle3_greedy_tree_decoding_equals_plain_greedy_on_fixture(fixture_prompts, accepting_drafter, kind):
+    """Trees of a drafter that accepts: deep paths are accepted, others cut short, and the output is plain
+    greedy decoding's."""
+    from conftest import generate_lossless
+
+    from draftsmith.models.eagle3.io import load_drafter
+
+    target, _, prompts, answers, eos = fixture_prompts
     kwargs, k = TREES[kind]
-    plain = SpeculativeGenerator(fixture_target, None, 0)
-    proposer = Eagle3Proposer(untrained_drafter(fixture_target), fixture_target.embed_tokens, **kwargs)
-    tree = SpeculativeGenerator(fixture_target, proposer, k)
-    prompt = torch.tensor([prompts[0]])
-    want = plain.generate(prompt, 20)
-    got = tree.generate(prompt, 20)
-    assert got.token_ids == want.token_ids
-    m = got.metrics
+    proposer = Eagle3Proposer(load_drafter(accepting_drafter("eagle3")), target.embed_tokens, **kwargs)
+    m = generate_lossless(target, proposer, k, prompts, answers, eos)
     assert m.num_drafts > 0 and m.num_draft_tokens > m.num_drafts  # whole trees were verified
-    assert got.num_target_steps == want.num_target_steps - m.num_accepted_tokens
+    assert m.num_accepted_tokens_per_pos[1] >= 5  # paths of depth 2 and more were accepted
+    assert m.num_accepted_tokens_per_pos[0] < m.num_drafts  # and some trees had no accepted node
 
 
 def test_eagle3_tree_sampling_runs(fixture_target, prompts):

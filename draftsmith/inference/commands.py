@@ -53,9 +53,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM-style config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(default: plain greedy decoding)")
-    p.add_argument("--prompt", required=True, help="user message; rendered with the chat template when there is one")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="user message, rendered with the chat template when there is one; repeat to serve several "
+                        "together as one batch")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_GENERATE_TOKENS)
-    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, metrics")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (a line each): token_ids, text, metrics")
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +74,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_EVAL_TOKENS)
     p.add_argument("--num-prompts", type=int, default=None,
                    help="use the first N prompts of each dataset (default: all)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="serve the prompts N at a time, plain decoding too, so tokens/s and speedups compare at that "
+                        "concurrency (default 1: one request at a time, CUDA graphs)")
     p.add_argument("--tie-tolerance", type=float, default=None, metavar="FRACTION",
                    help="speedups this close to the best (relative) count as ties, won by the smaller k (default 0.01)")
     p.add_argument("--out", default=DEFAULT_EVAL_OUT,
@@ -103,15 +109,22 @@ def _check_max_new_tokens(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
-def _load_tokenizer(target_dir: str):
+def _load_tokenizer(target: str):
+    """The tokenizer of --target: a local model folder, or a Hugging Face repo id (resolved by transformers, from
+    its cache first), as `draftsmith train` takes it."""
     from transformers import AutoTokenizer
 
-    if not (Path(target_dir) / "config.json").is_file():
-        raise CommandError(f"--target {target_dir}: no config.json there (expected a Hugging Face model folder)")
+    from draftsmith.models.model_card import looks_like_hub_id
+
+    if Path(target).exists():
+        if not (Path(target) / "config.json").is_file():
+            raise CommandError(f"--target {target}: no config.json there (expected a Hugging Face model folder)")
+    elif not looks_like_hub_id(target):
+        raise CommandError(f"--target {target}: no such folder, and not a Hugging Face repo id (ORG/NAME)")
     try:
-        return AutoTokenizer.from_pretrained(target_dir)
+        return AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError) as e:
-        raise CommandError(f"--target {target_dir}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+        raise CommandError(f"--target {target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -125,22 +138,28 @@ def run_generate(args: argparse.Namespace) -> int:
     spec = specs[0] if specs else None
     proposer = build_proposer(spec, target) if spec is not None else None
     generator = SpeculativeGenerator(target, proposer, spec.num_speculative_tokens if spec else 0)
-    prompt_ids = torch.tensor([render_prompt(tokenizer, args.prompt)])
-    result = generator.generate(prompt_ids, args.max_new_tokens, eos_token_ids(target, tokenizer), sampling=sampling)
-    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    if args.json:
-        print(json.dumps({
-            "token_ids": result.token_ids,
-            "text": text,
-            "metrics": result.metrics.to_dict(),
-            "num_target_steps": result.num_target_steps,
-            "seconds": result.seconds,
-            "speculative_config": spec.to_dict() if spec else None,
-        }))
-    else:
-        print(text)
-        if spec is not None:
-            print(result.metrics.log_line(result.seconds))
+    prompts = [render_prompt(tokenizer, prompt) for prompt in args.prompt]
+    eos = eos_token_ids(target, tokenizer)
+    if len(prompts) == 1:
+        results = [generator.generate(torch.tensor(prompts), args.max_new_tokens, eos, sampling=sampling)]
+    else:  # one batch: rows of different lengths, each finishing on its own
+        results = generator.generate_batch(prompts, args.max_new_tokens, eos, sampling=sampling)
+    for i, result in enumerate(results):
+        text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({
+                "token_ids": result.token_ids,
+                "text": text,
+                "metrics": result.metrics.to_dict(),
+                "num_target_steps": result.num_target_steps,
+                "seconds": result.seconds,
+                "batch_size": len(prompts),
+                "speculative_config": spec.to_dict() if spec else None,
+            }))
+        else:
+            print(f"[{i + 1}/{len(results)}] {text}" if len(results) > 1 else text)
+            if spec is not None:
+                print(result.metrics.log_line(result.seconds))
     return 0
 
 
@@ -156,6 +175,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from draftsmith.models.checkpoint import write_text_atomic
 
     _check_max_new_tokens(args)
+    if args.batch_size < 1:
+        raise CommandError(f"--batch-size must be >= 1, got {args.batch_size}")
     sampling = _sampling(args)
     tie_tolerance = SPEEDUP_TIE_TOLERANCE if args.tie_tolerance is None else args.tie_tolerance
     if not 0 <= tie_tolerance < 1:
@@ -170,7 +191,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     sweep = run_sweep(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty(),
                       sampling=sampling, dataset_paths={name: str(path) for name, path in paths.items()},
-                      on_progress=lambda partial: write_eval_json(partial, out / "eval.json", target))
+                      on_progress=lambda partial: write_eval_json(partial, out / "eval.json", target),
+                      batch_size=args.batch_size)
     add_recommendations(sweep, tie_tolerance)
     report = format_report(sweep, target=args.target, dtype=str(target.dtype).removeprefix("torch."))
     print(report)

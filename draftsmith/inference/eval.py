@@ -194,25 +194,33 @@ def _generator(target, spec: SpecConfig | None) -> SpeculativeGenerator:
     return SpeculativeGenerator(target, build_proposer(spec, target), spec.num_speculative_tokens)
 
 
-def _generate(generator: SpeculativeGenerator, ids: list[int], max_new_tokens: int, eos, sampling):
-    return generator.generate(torch.tensor([ids]), max_new_tokens, eos, sampling=sampling)
+def _generate(generator: SpeculativeGenerator, batch: list[list[int]], max_new_tokens: int, eos, sampling):
+    """One request alone (the graphed single-request path), or a batch served together."""
+    if len(batch) == 1:
+        return [generator.generate(torch.tensor([batch[0]]), max_new_tokens, eos, sampling=sampling)]
+    return generator.generate_batch(batch, max_new_tokens, eos, sampling=sampling)
 
 
-def _measure(target, spec: SpecConfig | None, prompts, max_new_tokens, eos, desc, progress, sampling):
-    """Outputs, merged metrics and timing of one config (None: plain decoding) over `prompts`.
+def _measure(target, spec: SpecConfig | None, prompts, max_new_tokens, eos, desc, progress, sampling,
+             batch_size: int = 1):
+    """Outputs, merged metrics and timing of one config (None: plain decoding) over `prompts`, served
+    `batch_size` at a time (rows of different lengths finishing at different steps).
 
     The untimed warm-up runs on a throwaway generator, and the timed run on a fresh one, so what a proposer
-    learns across requests (suffix's global trie) comes from the measured prompts alone, in order.
+    learns across requests (suffix's global trie) comes from the measured prompts alone, in order. A batch's wall
+    time is counted once: tokens/s is the throughput at that concurrency.
     """
-    _generate(_generator(target, spec), prompts[0], WARMUP_TOKENS, eos, sampling)
+    _generate(_generator(target, spec), prompts[:batch_size], WARMUP_TOKENS, eos, sampling)
     generator = _generator(target, spec)
     outputs, metrics, seconds, steps = [], SpecDecodingMetrics(generator.k), 0.0, 0
-    for ids in tqdm(prompts, desc=desc, disable=not progress, leave=False):
-        result = _generate(generator, ids, max_new_tokens, eos, sampling)
-        outputs.append(result.token_ids)
-        metrics = metrics.merge(result.metrics)
-        seconds += result.seconds
-        steps += result.num_target_steps
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
+        results = _generate(generator, batch, max_new_tokens, eos, sampling)
+        for result in results:
+            outputs.append(result.token_ids)
+            metrics = metrics.merge(result.metrics)
+            steps += result.num_target_steps
+        seconds += results[0].seconds  # the whole batch's wall time, the same in every row
     tokens = sum(len(o) for o in outputs)
     return outputs, metrics, {"tokens": tokens, "seconds": seconds, "num_target_steps": steps,
                               "tokens_per_second": tokens / seconds if seconds else math.nan}
@@ -220,25 +228,29 @@ def _measure(target, spec: SpecConfig | None, prompts, max_new_tokens, eos, desc
 
 def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[SpecConfig], max_new_tokens: int,
              progress: bool = True, sampling=None, desc: str = "",
-             on_result: Callable[[dict, dict], None] | None = None) -> dict[str, Any]:
+             on_result: Callable[[dict, dict], None] | None = None, batch_size: int = 1) -> dict[str, Any]:
     """Plain decoding once, then every config over the same prompts; returns a JSON-ready dict.
 
     `sampling` (a `SamplingParams`; None = greedy) applies to the baseline and every config alike. Outputs are
     compared with the baseline's only at temperature 0, where they must be equal. `on_result(baseline, row)` is
-    called after each config, so a caller can save what a long sweep has measured so far.
+    called after each config, so a caller can save what a long sweep has measured so far. With `batch_size` > 1
+    the baseline and every config serve the prompts that many at a time, so speedups compare equal concurrency.
     """
     if not prompts:
         raise EvalError("no prompts to evaluate")
+    if batch_size < 1:
+        raise EvalError(f"batch size must be >= 1, got {batch_size}")
     temperature = float(getattr(sampling, "temperature", 0.0))
     eos = eos_token_ids(target, tokenizer)
     prefix = f"{desc} " if desc else ""
     baseline_outputs, _, baseline = _measure(target, None, prompts, max_new_tokens, eos, f"{prefix}plain",
-                                             progress, sampling)
+                                             progress, sampling, batch_size)
     results = []
     labels = series_labels(spec_configs)
     for spec in spec_configs:
         label = f"{prefix}{spec.method} k={spec.num_speculative_tokens}"
-        outputs, metrics, timing = _measure(target, spec, prompts, max_new_tokens, eos, label, progress, sampling)
+        outputs, metrics, timing = _measure(target, spec, prompts, max_new_tokens, eos, label, progress, sampling,
+                                            batch_size)
         row = {
             "spec_config": spec.to_dict(),
             "method": spec.method,
@@ -257,6 +269,7 @@ def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[Spe
     result = {
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
         "temperature": temperature,
         "baseline": baseline,
         "results": results,
@@ -269,7 +282,7 @@ def run_eval(target, tokenizer, prompts: list[list[int]], spec_configs: list[Spe
 def run_sweep(target, tokenizer, datasets: Mapping[str, list[list[int]]], spec_configs: list[SpecConfig],
               max_new_tokens: int, progress: bool = True, sampling=None,
               dataset_paths: Mapping[str, str] | None = None,
-              on_progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+              on_progress: Callable[[dict], None] | None = None, batch_size: int = 1) -> dict[str, Any]:
     """`run_eval` on every dataset; one JSON-ready dict with a flat `results` list (each row names its dataset).
 
     Shape: {max_new_tokens, temperature, datasets: {name: {path, num_prompts, baseline}}, results: [row, ...],
@@ -280,7 +293,7 @@ def run_sweep(target, tokenizer, datasets: Mapping[str, list[list[int]]], spec_c
         raise EvalError("no dataset to evaluate")
     if not spec_configs:
         raise EvalError("no speculative config to evaluate")
-    sweep: dict[str, Any] = {"max_new_tokens": max_new_tokens,
+    sweep: dict[str, Any] = {"max_new_tokens": max_new_tokens, "batch_size": batch_size,
                              "temperature": float(getattr(sampling, "temperature", 0.0)), "datasets": {},
                              "results": [], "complete": False}
     if sampling is not None and hasattr(sampling, "to_dict"):
@@ -294,7 +307,7 @@ def run_sweep(target, tokenizer, datasets: Mapping[str, list[list[int]]], spec_c
                 on_progress(sweep)
 
         run_eval(target, tokenizer, prompts, spec_configs, max_new_tokens, progress, sampling, desc=name,
-                 on_result=record)
+                 on_result=record, batch_size=batch_size)
     sweep["complete"] = True
     return sweep
 

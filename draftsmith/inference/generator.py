@@ -157,16 +157,22 @@ class SpeculativeGenerator:
             remaining = [max_new_tokens - len(o) if a else 0 for o, a in zip(outputs, active)]
             # Never draft past a row's budget: its a + 1 committed tokens then always fit.
             num_drafts = min(k, max(remaining) - 1)
-            proposal = proposer.propose(num_drafts) if proposer is not None and num_drafts > 0 else None
+            # Per-row depth budget: never past the row's max_new_tokens (rows nearer their end than others), nor
+            # deeper than the proposer was asked.
+            budgets = [min(max(n - 1, 0), num_drafts) for n in remaining]
+            proposal = None
+            if proposer is not None and num_drafts > 0:
+                if batch > 1 and getattr(proposer, "bounds_depth_per_row", False):
+                    proposal = proposer.propose(num_drafts, row_depths=budgets)
+                else:
+                    proposal = proposer.propose(num_drafts)
             drafts = _step_drafts(proposal, num_drafts, batch, device)
             width = drafts.token_ids.shape[1]
             if cache.length + width + 1 > cache.max_length:
                 valid = _defragment(cache, valid)
             base = cache.length
             holes = valid is not None
-            # Per-row depth budget: never past the row's max_new_tokens (rows nearer their end than others), nor
-            # deeper than the proposer was asked. A single request never needs it: no host-to-device copy then.
-            budgets = [min(max(n - 1, 0), num_drafts) for n in remaining]
+            # A single request never needs the budgets: no host-to-device copy then.
             capped = any(on and b < num_drafts for on, b in zip(active, budgets))
             cap = torch.tensor(budgets, device=device) if capped else None  # (B,)
             row_positions = torch.tensor(positions_host, device=device)[:, None] if holes else base  # of `last`

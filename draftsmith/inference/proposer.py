@@ -116,6 +116,10 @@ class Proposer(Protocol):
     # step's one host sync, so that a proposer whose state lives on the host (n-gram, suffix) never reads the
     # device itself (a second sync per step).
     # extends_on_host: bool
+    # Optional, False when absent: True makes the runtime call `propose(num_tokens, row_depths=[...])` in batches,
+    # with each row's own depth bound (rows nearer their end than others), for a proposer whose drafts depend on
+    # the bound (a dynamic tree's rerank), so that each row drafts what it would alone.
+    # bounds_depth_per_row: bool
 
     def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
         """Start new request(s): forget all previous state. `prompt_ids` is (B, S), PAD_DRAFT_TOKEN-padded."""

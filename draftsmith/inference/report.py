@@ -123,8 +123,10 @@ def format_report(sweep: Mapping[str, Any], target: str | None = None, dtype: st
         rec = recs.get(name)
         result = dataset_result(sweep, name)
         mark = next((r for r in result["results"] if rec and r["spec_config"] == rec.get("spec_config")), None)
+        batch = sweep.get("batch_size", 1)
+        served = f", batches of {batch} (tok/s at that concurrency)" if batch > 1 else ""
         lines = [f"== {name}: {info['num_prompts']} prompts, {sweep['max_new_tokens']} new tokens, "
-                 f"temperature {sweep['temperature']:g} ==", format_table(result, mark)]
+                 f"temperature {sweep['temperature']:g}{served} ==", format_table(result, mark)]
         differing = sum(1 for r in result["results"] if r.get("lossless_mismatches"))
         if differing:
             lines.append(mismatch_note(differing, dtype))

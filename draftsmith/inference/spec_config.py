@@ -19,8 +19,12 @@ from typing import Any
 
 from draftsmith import device as dev
 
-AVAILABLE_METHODS = ("eagle3", "eagle", "ngram", "suffix", "dflash", "mtp")
-RESERVED_METHODS: tuple[str, ...] = ()  # vLLM methods draftsmith will run, not yet
+AVAILABLE_METHODS = ("eagle3", "ngram", "suffix", "dflash", "mtp")
+# vLLM methods draftsmith will run, not yet, and why: refused rather than run with another method's code.
+RESERVED_METHODS: dict[str, str] = {
+    "eagle": "EAGLE-1/2 drafters (one layer over the target's last hidden state, no aux layers) are not "
+             "implemented yet; an EAGLE-3 drafter is method 'eagle3'",
+}
 
 # method -> "module:Class"; each class has `from_config(spec, target) -> Proposer`. Adding a method is adding a
 # row here, never a branch in the runtime.
@@ -28,7 +32,6 @@ PROPOSERS = {
     "ngram": "draftsmith.inference.ngram:NgramProposer",
     "suffix": "draftsmith.inference.suffix:SuffixProposer",
     "eagle3": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
-    "eagle": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
     "dflash": "draftsmith.models.dflash.proposer:DflashProposer",
     "mtp": "draftsmith.models.mtp.proposer:MtpProposer",  # model omitted: the target's native MTP (as vLLM)
 }
@@ -48,7 +51,7 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's value for both bounds when neither is given
 # Keys people write for vLLM's static tree that vLLM does not read.
 TREE_KEY_ALIASES = ("spec_token_tree", "token_tree", "tree")
 # Methods whose proposers draft from per-token scores: they can draft trees and sample their drafts.
-SCORED_METHODS = ("eagle3", "eagle")
+SCORED_METHODS = ("eagle3",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's draft_sample_method values; greedy is its default
 DYNAMIC_TREE_KEYS = ("depth", "top_k")
 HYBRID_KEYS = ("min_score",)
@@ -66,7 +69,7 @@ class SpecConfigError(ValueError):
 class SpecConfig:
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # drafter checkpoint (eagle / eagle3)
+    model: str | None = None  # drafter checkpoint (eagle3, dflash, mtp)
     prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram tried
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram tried
     suffix_decoding_max_tree_depth: int | None = None  # suffix: trie depth, caps match + draft length
@@ -93,11 +96,11 @@ def _check_method(method: Any) -> str:
         raise SpecConfigError(f"speculative config: 'method' is required (one of {', '.join(AVAILABLE_METHODS)})")
     if method in RESERVED_METHODS:
         raise SpecConfigError(
-            f"speculative config: method {method!r} is not available yet in draftsmith's runtime "
-            f"(available: {', '.join(AVAILABLE_METHODS)})"
+            f"speculative config: method {method!r} is not available yet in draftsmith's runtime: "
+            f"{RESERVED_METHODS[method]} (available: {', '.join(AVAILABLE_METHODS)})"
         )
     if method not in AVAILABLE_METHODS:
-        close = difflib.get_close_matches(str(method), AVAILABLE_METHODS + RESERVED_METHODS, n=1)
+        close = difflib.get_close_matches(str(method), AVAILABLE_METHODS + tuple(RESERVED_METHODS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise SpecConfigError(
             f"speculative config: unknown method {method!r}{hint}; available: {', '.join(AVAILABLE_METHODS)}"
@@ -272,7 +275,7 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
     model = raw.get("model")
     if model is not None and not isinstance(model, str):
         raise SpecConfigError(f"speculative config: model must be a path string, got {model!r}")
-    if method in ("eagle", "eagle3", "dflash") and not model:
+    if method in ("eagle3", "dflash") and not model:
         raise SpecConfigError(f"speculative config: method {method!r} needs 'model', the drafter checkpoint path")
     # prompt_lookup_* are accepted for every method, as vLLM does, but only mean something for ngram.
     low, high = _prompt_lookup_bounds(raw) if method == "ngram" else (None, None)

@@ -11,18 +11,23 @@ A checkpoint folder, as the trainer writes it:
     <output_dir>/latest      text file naming the newest checkpoint folder
 
 Every write goes to a temporary name in the destination's directory and is moved into place with `os.replace`,
-so a crash or a full disk leaves the old file (or nothing), never half a file that a later run would trust.
+so a crash or a full disk leaves the old file (or nothing), never half a file that a later run would trust. A
+temporary folder's name carries the writer's pid (`<out>.tmp-<pid>-<hex>`), so the next write to the same place
+can tell a stale one (its writer is gone) from one being written right now, and remove it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,7 +186,8 @@ def _temp_name(path: Path) -> Path:
 
 
 def _replace_atomically(path: Path, write) -> None:
-    """Call `write(tmp)`, fsync it, then move it over `path`; the temporary file never outlives a failure."""
+    """Call `write(tmp)`, fsync it, then move it over `path`; the temporary file never outlives a failure. An
+    OSError names `path` (the file meant), not the temporary name, so callers can report it as it is."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_name(path)
@@ -191,8 +197,32 @@ def _replace_atomically(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files 0600; shared checkpoints should be readable
         os.replace(tmp, path)
+    except OSError as e:
+        e.filename = str(path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failure(e: OSError, where: Path | str) -> str:
+    """One line for a failed write: a full disk said as such, else the OS's reason."""
+    target = e.filename or where
+    if is_disk_full(e):
+        return f"{target}: disk full (no space left on device)"
+    return f"{target}: cannot write: {e.strerror or e}"
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: Path | str) -> None:
+    """Refuse weights holding NaN or inf: an engine would load them and serve garbage drafts without a word."""
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        named = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+        raise ExportError(f"{where}: {len(bad)} tensor(s) hold NaN or inf values ({named}): the training diverged; "
+                          "export an earlier checkpoint-N or retrain with a lower training.lr")
 
 
 def save_safetensors_atomic(
@@ -225,25 +255,103 @@ def check_output_dir(out_dir: Path, overwrite: bool, keep: tuple[Path, ...] = ()
         raise ExportError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
 
 
+TEMP_DIR = re.compile(r"(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<pid>\d+)-)?[0-9a-f]{8}")  # ours: <out>.tmp-<pid>-<hex>
+RUN_STARTED = time.time()  # a pid-less (older draftsmith) temporary folder from before this process is stale
+# While set, atomic_output_dir() under (final root) writes into (staging root) instead: see staged_output_dir.
+_STAGING: ContextVar[tuple[Path, Path] | None] = ContextVar("draftsmith_export_staging", default=None)
+
+
+def _alive_since(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds; 0.0 when alive but unknown), None when there is no such process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
+
+
+def _is_stale(path: Path, pid: str | None) -> bool:
+    """A temporary folder whose writer is gone: its pid is not running, or that pid now belongs to a process that
+    started after the folder was last written (pid reuse); pid-less (older) names when older than this run."""
+    try:
+        mtime = path.lstat().st_mtime
+    except OSError:
+        return False
+    if pid is None:
+        return mtime < RUN_STARTED
+    if int(pid) == os.getpid():
+        return False  # this process cleans up its own (atomic_output_dir's finally)
+    started = _alive_since(int(pid))
+    return started is None or mtime < started
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Remove `<out_dir>.tmp-*` siblings a killed export left behind, and settle `<out_dir>.old-*` ones (a kill
+    between the two renames of a replace): deleted when `out_dir` exists, else moved back as `out_dir`."""
+    removed = []
+    if not out_dir.parent.is_dir():
+        return removed
+    for sibling in sorted(out_dir.parent.iterdir()):
+        m = TEMP_DIR.fullmatch(sibling.name)
+        if not m or m["name"] != out_dir.name or not sibling.is_dir() or not _is_stale(sibling, m["pid"]):
+            continue
+        if m["kind"] == "old" and not out_dir.exists():
+            os.replace(sibling, out_dir)  # the previous export, whose replacement never landed
+            continue
+        shutil.rmtree(sibling, ignore_errors=True)
+        removed.append(sibling)
+    return removed
+
+
+def _staged(out_dir: Path) -> Path:
+    """Where `out_dir` is written physically: itself, or its place inside the active staging folder."""
+    staging = _STAGING.get()
+    if staging is None:
+        return out_dir
+    root, tmp_root = staging
+    try:
+        return tmp_root / out_dir.resolve().relative_to(root)
+    except ValueError:
+        return out_dir
+
+
 @contextlib.contextmanager
 def atomic_output_dir(
     out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = ()
 ) -> Iterator[Path]:
-    """Yield a fresh sibling folder `<out_dir>.tmp-xxxx` to fill; on success it becomes `out_dir`, else it is removed.
+    """Yield a fresh sibling folder `<out_dir>.tmp-<pid>-<hex>` to fill; on success it becomes `out_dir`, else it
+    is removed. Stale temporary siblings of earlier, killed runs are removed first.
 
     With `overwrite`, an existing `out_dir` is moved aside first and deleted only once the new one is in place.
+    A failed write (a full disk) is an ExportError naming the file; nothing is left behind.
     """
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir, overwrite, keep)
+    final = Path(out_dir)
+    check_output_dir(final, overwrite, keep)
+    out_dir = _staged(final)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{secrets.token_hex(4)}")
+    remove_stale_temporaries(out_dir)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            if e.filename and str(e.filename).startswith(str(tmp)):
+                e.filename = str(final) + str(e.filename)[len(str(tmp)):]  # the file meant, not its temporary
+            fix = "free space and rerun" if is_disk_full(e) else "check the folder's permissions"
+            raise ExportError(f"{write_failure(e, final)}; nothing was written: {fix}") from None
         check_output_dir(out_dir, overwrite, keep)  # something may have appeared while we wrote
         old = None
         if out_dir.exists():
-            old = out_dir.with_name(f"{out_dir.name}.old-{secrets.token_hex(4)}")
+            old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
             os.replace(out_dir, old)
         try:
             os.replace(tmp, out_dir)
@@ -256,6 +364,22 @@ def atomic_output_dir(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+@contextlib.contextmanager
+def staged_output_dir(
+    out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = ()
+) -> Iterator[Path]:
+    """`out_dir` written as a whole: every atomic_output_dir(`out_dir/...`) inside this block writes into one
+    temporary sibling of `out_dir`, which becomes `out_dir` when the block succeeds (`export --format all`). The
+    exporters keep naming their final folders (model cards print them), and a kill leaves no partial `out_dir`."""
+    out_dir = Path(out_dir)
+    with atomic_output_dir(out_dir, overwrite=overwrite, keep=keep) as tmp:
+        token = _STAGING.set((out_dir.resolve(), tmp))
+        try:
+            yield tmp
+        finally:
+            _STAGING.reset(token)
 
 
 def config_for_export(ckpt: Path, raw: dict[str, Any], config_cls, method: str, format_name: str):
@@ -275,8 +399,10 @@ def write_export(out_dir: Path, ckpt: Path, config: dict[str, Any], tensors: dic
                  overwrite: bool, warnings: list[str], serve_commands: dict[str, str],
                  extra_files: Mapping[str, Callable[[Path], None]] | None = None) -> ExportResult:
     """Write config.json, model.safetensors, README.md and `extra_files` (name -> writer of that path) into
-    `out_dir`, all or nothing (atomic_output_dir), and describe the result."""
+    `out_dir`, all or nothing (atomic_output_dir), and describe the result. Every format's weights pass here, so
+    this is where non-finite ones are refused."""
     names = [CONFIG_FILE, WEIGHTS_FILE, "README.md", *(extra_files or {})]
+    check_finite(tensors, ckpt / WEIGHTS_FILE)
     with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
         write_json_atomic(config, tmp / CONFIG_FILE)
         save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)

@@ -74,6 +74,26 @@ class DrafterLoadError(ValueError):
     """A folder that holds no drafter draftsmith can read."""
 
 
+DRAFTER_FILES = ["*.json", "*.safetensors", "*.pt", "*.md"]  # what a drafter repo holds that draftsmith reads
+
+
+def local_folder(name: str | Path, allow_patterns: list[str] | None = None) -> Path:
+    """`name` as a local folder: the path itself, or a Hugging Face repo id (ORG/NAME that is no local path)
+    resolved through huggingface_hub, from its cache first and downloaded when online, as transformers resolves
+    a target's id. Anything else is returned as a path, for the caller's own "no such folder" message."""
+    from draftsmith.models.model_card import looks_like_hub_id
+
+    if Path(name).exists() or not looks_like_hub_id(str(name)):
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name), allow_patterns=allow_patterns or DRAFTER_FILES))
+    except Exception as e:  # offline and not cached, auth, missing repo: one line either way
+        raise DrafterLoadError(f"{name}: no such folder, and not found on the Hugging Face Hub or in its cache "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def read_drafter_config(folder: Path, family: str) -> tuple[dict[str, Any], Path, Path]:
     """(config dict, config path, weights path) of a drafter folder; a one-line error naming the missing file or
     the config's bad line. `family` names the drafter in the messages ("EAGLE-3", "DFlash")."""

@@ -3,14 +3,14 @@
 Formats are a table, format name -> exporter; each exporter takes (checkpoint, out_dir, overwrite=..., dtype=...), checks the
 checkpoint's method itself, validates before writing, writes all or nothing, and returns an `ExportResult`.
 Adding a format means adding a row to EXPORTERS, FORMAT_METHODS and FORMAT_HELP, and an exporter in its drafter's
-folder. `--format all` runs every exporter whose method matches the checkpoint's, each into `DIR/<format>`.
+folder. `--format all` runs every exporter whose method matches the checkpoint's, each into `DIR/<format>`, all
+of them built in a temporary sibling of DIR that is renamed to DIR once every format is in.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +26,7 @@ from draftsmith.models.checkpoint import (
     check_output_dir,
     read_json,
     resolve_checkpoint,
+    staged_output_dir,
 )
 from draftsmith.models.dflash.export import export_dflash
 from draftsmith.models.eagle3.export import export_native_eagle3
@@ -54,6 +55,12 @@ FORMAT_HELP = {
     "mtp": "MTP: the target's native layout (vLLM with method mtp) when it has one, else draftsmith's own format",
 }
 ALL = "all"  # every format that applies to the checkpoint's method, each into DIR/<format>
+# Options only some formats take: format -> the keyword arguments of its exporter they fill.
+FORMAT_OPTIONS = {"speculators": ("verifier",)}
+
+
+def _options(name: str, options: dict) -> dict:
+    return {k: v for k, v in options.items() if k in FORMAT_OPTIONS.get(name, ()) and v is not None}
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +73,9 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(EXPORT_DTYPES),
                    help="dtype of the exported weights (default bfloat16; 'keep' writes the fp32 master weights)")
+    p.add_argument("--verifier", default=None, metavar="ORG/NAME",
+                   help="speculators: the target's Hugging Face id to record as the verifier (default: the recipe's "
+                        "target when it is a Hub id or in the Hub cache; a plain local path is kept, with a warning)")
 
 
 def _size(n: int) -> str:
@@ -79,12 +89,12 @@ def _size(n: int) -> str:
 
 def export_all(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-    dtype: torch.dtype | None = torch.bfloat16,
+    dtype: torch.dtype | None = torch.bfloat16, **options,
 ) -> tuple[dict[str, ExportResult], list[str]]:
     """({format: result}, skipped notes): every format whose FORMAT_METHODS entry matches the checkpoint's method.
 
-    Each format is written all or nothing into `out_dir/<format>`; when one is refused, the folders this call
-    created are removed again, so a failed `all` leaves no half set behind.
+    The formats are written into one temporary sibling of `out_dir` that becomes `out_dir` once all of them are
+    in (staged_output_dir): a refused format, a full disk or a kill leaves no half set under `out_dir`.
     """
     out_dir = Path(out_dir)
     ckpt = resolve_checkpoint(checkpoint)
@@ -101,27 +111,18 @@ def export_all(
     if not formats:
         raise ExportError(f"{ckpt / CONFIG_FILE}: no export format for method {method!r}")
 
-    made_root = not out_dir.exists()
-    created: list[Path] = []
     results: dict[str, ExportResult] = {}
-    try:
+    with staged_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)):
         for name in formats:
-            existed = (out_dir / name).exists()
             try:
-                results[name] = EXPORTERS[name](ckpt, out_dir / name, overwrite=overwrite, dtype=dtype)
+                results[name] = EXPORTERS[name](ckpt, out_dir / name, overwrite=overwrite, dtype=dtype,
+                                                **_options(name, options))
             except FormatNotApplicable as e:
                 skipped.append(f"{name}: skipped: {e}")
-                continue
             except (CheckpointError, ExportError) as e:
                 raise ExportError(f"format {name}: {e}") from None
-            if not existed:
-                created.append(out_dir / name)
-    except BaseException:
-        for path in created:
-            shutil.rmtree(path, ignore_errors=True)
-        if made_root and out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()
-        raise
+        if not results:  # every format declined: write nothing rather than an empty folder
+            raise ExportError(f"{ckpt}: no format applies to this checkpoint: " + "; ".join(skipped))
     return results, skipped
 
 
@@ -138,11 +139,13 @@ def _report(result: ExportResult, fmt: str) -> None:
 def run_export(args: argparse.Namespace) -> int:
     dtype = EXPORT_DTYPES[args.dtype]
     try:
+        options = {"verifier": args.verifier}
         if args.format == ALL:
-            results, skipped = export_all(args.checkpoint, args.out, overwrite=args.overwrite, dtype=dtype)
+            results, skipped = export_all(args.checkpoint, args.out, overwrite=args.overwrite, dtype=dtype,
+                                          **options)
         else:
             results = {args.format: EXPORTERS[args.format](args.checkpoint, args.out, overwrite=args.overwrite,
-                                                           dtype=dtype)}
+                                                           dtype=dtype, **_options(args.format, options))}
             skipped = []
     except (CheckpointError, ExportError) as e:
         print(f"draftsmith export: error: {e}", file=sys.stderr)

@@ -205,16 +205,15 @@ def _local_source(src: str) -> Path:
         if not path.is_dir():
             raise CheckpointImportError(f"{src}: is a file; give the folder holding config.json and the weights")
         return path
+    from draftsmith.models.drafter_config import DrafterLoadError, local_folder
     from draftsmith.models.model_card import looks_like_hub_id
 
     if not looks_like_hub_id(src):
         raise CheckpointImportError(f"{src}: no such folder (and not a Hugging Face repo id)")
-    from huggingface_hub import snapshot_download
-
     try:
-        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.pt"]))
-    except Exception as e:  # network, auth, missing repo: one line either way
-        raise CheckpointImportError(f"{src}: cannot download from the Hugging Face Hub: {e}") from None
+        return local_folder(src, ["*.json", "*.safetensors", "*.pt"])
+    except DrafterLoadError as e:
+        raise CheckpointImportError(str(e)) from None
 
 
 def import_checkpoint(

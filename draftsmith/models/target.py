@@ -47,6 +47,20 @@ class StepOutput:
     aux_hidden: torch.Tensor | None  # (B, T, n_aux*H) for all T positions, None when not asked for
 
 
+def sliding_window_of(config) -> int | None:
+    """The attention window of a target's sliding-window layers, or None when every layer attends fully: Qwen2/3
+    list `layer_types` (and `use_sliding_window`), Mistral sets `sliding_window` for every layer."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if hasattr(config, "use_sliding_window"):
+        return int(window) if config.use_sliding_window else None
+    return int(window)
+
+
 class KVCache:
     """Preallocated keys and values of every target layer; positions `[0, length)` are valid.
 
@@ -114,6 +128,7 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
                         attn_implementation: str = "sdpa", compile_layers: bool | None = None) -> "TargetModel":
+        from safetensors import SafetensorError, safe_open
         from transformers import AutoModelForCausalLM
 
         device = dev.get_device(device) if not isinstance(device, torch.device) else device
@@ -122,8 +137,17 @@ class TargetModel:
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=torch_dtype, attn_implementation=attn_implementation
             )
-        except OSError as e:
-            raise TargetError(f"cannot load target model from {path}: {str(e).splitlines()[0]}") from e
+        except (OSError, ValueError, SafetensorError) as e:  # one line for the user, naming the file at fault
+            if isinstance(e, SafetensorError) and Path(path).is_dir():  # transformers does not say which shard
+                for shard in sorted(Path(path).glob("*.safetensors")):
+                    try:
+                        with safe_open(str(shard), framework="pt"):
+                            pass
+                    except (SafetensorError, OSError) as bad:
+                        raise TargetError(f"{shard}: corrupt or truncated safetensors file ({bad}): download the "
+                                          "target again") from e
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise TargetError(f"cannot load target model from {path}: {first}") from e
         return cls(model.to(device), name_or_path=str(path), compile_layers=compile_layers)
 
     # ---- pieces the drafters share -------------------------------------------------------------
@@ -203,7 +227,9 @@ class TargetModel:
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty cache. On CUDA the cache of each batch size is pooled (reset and reused while it is long
         enough, grown in steps of CACHE_GRANULE), so graphs captured on it stay valid across requests; a
-        TargetModel therefore serves one live request per batch size at a time."""
+        TargetModel therefore serves one live request per batch size at a time. A request longer than a sliding
+        window is refused here, before any token is generated (the cache holds one slot of slack)."""
+        self.check_positions(max_length - 1)
         if not self._graphs_on:
             return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
                            self.dtype, self.device)
@@ -255,8 +281,16 @@ class TargetModel:
             raise TargetError(
                 f"draftsmith's runtime supports target model types {SUPPORTED_STEP_MODEL_TYPES}, not '{model_type}'"
             )
-        if getattr(self.config, "use_sliding_window", False) and getattr(self.config, "sliding_window", None):
-            raise TargetError("draftsmith's runtime does not support sliding-window attention targets yet")
+
+    def check_positions(self, positions: int) -> None:
+        """Refuse a request that reaches `positions` positions past a sliding window: the runtime's forward attends
+        to the whole context, which equals sliding-window attention only while every position is inside the window."""
+        window = sliding_window_of(self.config)
+        if window is not None and positions > window:
+            raise TargetError(
+                f"{self.name_or_path or 'the target'} uses sliding-window attention ({window} tokens); draftsmith's "
+                f"runtime attends to the whole context, which is the same only up to {window} positions, and this "
+                f"request needs {positions} (prompt + max_new_tokens + drafts): shorten it")
 
     @torch.no_grad()
     def step(self, input_ids, cache: KVCache, aux_layer_ids=None, logits_to_keep=None,
@@ -272,6 +306,8 @@ class TargetModel:
         end = start + num_new
         if end > cache.max_length:
             raise ValueError(f"KV cache overflow: {end} positions > max_length {cache.max_length}")
+        if position_ids is None:  # consecutive positions: slot end = positions (batches with holes: new_cache)
+            self.check_positions(end)
         aux_ids = tuple(self.check_aux_layer_ids(aux_layer_ids)) if aux_layer_ids is not None else ()
         if (self._graphs_on and batch == 1 and num_new <= MAX_GRAPHED_TOKENS and cache is self._pooled.get(batch)
                 and (attention_mask is None) == (position_ids is None)):  # plain steps, or one request's tree

@@ -6,23 +6,31 @@ master weights, gradient accumulation and the trackers.
 
 Resume is exact: a checkpoint is taken only at an optimizer-step boundary and records the epoch and the number
 of micro-batches already consumed in it; the data order of an epoch is a pure function of (seed, epoch), so a
-resumed run sees exactly the batches an uninterrupted run would have seen.
+resumed run sees exactly the batches an uninterrupted run would have seen. A run resumes only a checkpoint of the
+same recipe (model, data and the method's section; training keys such as max_steps may change).
+
+Health (health.py): a NaN or inf in the loss, the gradient norm or the target's features stops the run with one
+line naming the step (and sample), found at the next sync the loop makes anyway and always before a checkpoint is
+written; a run whose gradient norm is 0 or whose loss does not move is warned about.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from draftsmith import device as dev
-from draftsmith.config import Recipe, recipe_to_dict, save_recipe
+from draftsmith.config import Recipe, RecipeError, draft_vocab_size_for, load_recipe, recipe_to_dict, save_recipe
+from draftsmith.train.health import FeatureCheck, FiniteWatch, StuckWatch
 from draftsmith.train.optim import (
     MEASURE_SKIP,
     SchedulePlan,
@@ -41,6 +49,13 @@ METHODS = {
 }
 LATEST = "latest"
 STATE_DIR = "training_state"
+WEIGHTS_FILE = "model.safetensors"
+RECIPE_FILE = "recipe.yaml"
+# Sections of the recipe a resumed run must share with its checkpoint (plus the method's own section): they decide
+# what the drafter is and what it learns from. data.cache_dir only says where cached files live.
+SAME_RUN_SECTIONS = ("model", "data")
+SAME_RUN_IGNORED = {"data.cache_dir"}
+NEARLY_FULL_BYTES = 64 * 2**20  # torch.save reports a full disk as a RuntimeError without errno: this little left
 
 
 class TrainingError(ValueError):
@@ -121,34 +136,181 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Path, state: dict) -> Path:
-    """Write checkpoint-<step>/ through a temporary folder and a rename, then point `latest` at it."""
-    from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_atomic
+    """Write checkpoint-<step>/ through a temporary folder and a rename, then point `latest` at it.
+
+    The drafter's weights are written once, as model.safetensors; training_state/ holds the optimizer, scheduler
+    and RNG states (accelerate's save_state, whose hooks `train` sets to leave the model out). A failed write (a
+    full disk) removes the partial folder and stops the run with one line; the last complete checkpoint stays."""
+    from draftsmith.models.checkpoint import is_disk_full, save_safetensors_atomic, write_json_atomic
 
     name = f"checkpoint-{state['step']}"
     final = output_dir / name
     tmp = output_dir / f".{name}.tmp"
+    previous = latest_checkpoint(output_dir)
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / STATE_DIR))  # optimizer, scheduler, RNG states, model (all processes)
-    if accelerator.is_main_process:
-        model = accelerator.unwrap_model(drafter)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-                   if not k.startswith("rotary_emb.")}
-        save_safetensors_atomic(tensors, tmp / "model.safetensors")
-        write_json_atomic(method.config.to_dict(), tmp / "config.json")
-        write_json_atomic(state, tmp / "trainer_state.json")
-        save_recipe(recipe, tmp / "recipe.yaml")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_text_atomic(output_dir / LATEST, name + "\n")
-        kept = sorted((p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                      key=lambda p: int(p.name.split("-")[-1]))
-        for old in kept[: -recipe.training.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        accelerator.save_state(str(tmp / STATE_DIR))  # optimizer, scheduler, RNG states (all processes)
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(drafter)
+            tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+                       if not k.startswith("rotary_emb.")}
+            save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
+            write_json_atomic(method.config.to_dict(), tmp / "config.json")
+            write_json_atomic(state, tmp / "trainer_state.json")
+            save_recipe(recipe, tmp / RECIPE_FILE)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_text_atomic(output_dir / LATEST, name + "\n")
+            kept = sorted((p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                          key=lambda p: int(p.name.split("-")[-1]))
+            for old in kept[: -recipe.training.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+    except (OSError, RuntimeError) as e:
+        full = is_disk_full(e) or (isinstance(e, RuntimeError) and _nearly_full(output_dir))
+        if not (full or isinstance(e, OSError)):
+            raise
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = final
+        filename = getattr(e, "filename", None)
+        if filename and Path(filename).is_relative_to(tmp):
+            where = final / Path(filename).relative_to(tmp)
+        reason = "disk full (no space left on device)" if full else f"cannot write: {e.strerror or e}"
+        resume = f"resume from {previous.name}" if previous is not None else "start again"
+        raise TrainingError(f"{where}: {reason}; removed the partial {tmp.name}: free space (or set output_dir on "
+                            f"another disk) and rerun to {resume}") from None
     accelerator.wait_for_everyone()
     return final
+
+
+def _nearly_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _state_without_model(models, weights, output_dir) -> None:
+    """accelerate's save_state pre-hook: the checkpoint's model.safetensors already holds the drafter's weights,
+    so training_state/ keeps only the optimizer, scheduler and RNG states (FSDP and DeepSpeed, which shard the
+    model themselves, never put it in `weights`)."""
+    weights.clear()
+
+
+def _model_from_checkpoint(accelerator):
+    """accelerate's load_state pre-hook: load the drafter from the checkpoint's model.safetensors (its one copy,
+    fp32 master weights, so a resume stays bit-exact) and tell accelerate not to look for its own."""
+
+    def hook(models, input_dir) -> None:
+        from draftsmith.models.checkpoint import load_checkpoint
+
+        if not models:
+            return
+        _, tensors = load_checkpoint(Path(input_dir).parent)
+        for model in models:
+            missing, unexpected = accelerator.unwrap_model(model).load_state_dict(tensors, strict=False)
+            missing = [k for k in missing if not k.startswith("rotary_emb.")]
+            if missing or unexpected:
+                raise TrainingError(f"{Path(input_dir).parent / WEIGHTS_FILE}: does not fit this drafter (tensors "
+                                    f"{(missing + unexpected)[:5]} differ): set output_dir to a new folder")
+        models.clear()
+
+    return hook
+
+
+def check_same_run(checkpoint: Path, recipe: Recipe, output_dir: Path) -> None:
+    """Refuse to resume a checkpoint trained with other model, data or method keys than `recipe`'s."""
+    fresh = f"set output_dir to a new folder, or delete {output_dir} to start fresh"
+    try:
+        old = recipe_to_dict(load_recipe(checkpoint / RECIPE_FILE))
+    except RecipeError as e:
+        raise TrainingError(f"{output_dir} holds {checkpoint.name}, whose recipe cannot be compared with this one "
+                            f"({e}): {fresh}") from None
+    new = recipe_to_dict(recipe)
+    differ = []
+    for section in (*SAME_RUN_SECTIONS, recipe.model.method):
+        before, now = old.get(section) or {}, new.get(section) or {}
+        for key in sorted(set(before) | set(now)):
+            if f"{section}.{key}" not in SAME_RUN_IGNORED and before.get(key) != now.get(key):
+                differ.append(f"{section}.{key} {json.dumps(before.get(key))} there, {json.dumps(now.get(key))} now")
+    if differ:
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise TrainingError(f"{output_dir} holds {checkpoint.name} of another recipe ({'; '.join(differ[:3])}{more})"
+                            f": it resumes only with the same model, data and {recipe.model.method} keys; {fresh}")
+
+
+def drop_replayed_rows(metrics_path: Path, step: int) -> None:
+    """Keep the rows of steps up to the resumed checkpoint's: the later ones are logged again as the resumed run
+    replays those steps. A line cut short by a kill is dropped too."""
+    from draftsmith.models.checkpoint import write_text_atomic
+
+    if not metrics_path.is_file():
+        return
+    kept = []
+    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    write_text_atomic("".join(kept), metrics_path)
+
+
+def check_target_weights(target, source: str) -> None:
+    """Refuse a target holding a NaN or inf weight (one pass and one sync, at load): it yields NaN features, or, in
+    its lm_head, NaN teacher rows that EAGLE-3's draft-vocabulary mask would drop without a word."""
+    params = [(name, p) for name, p in target.model.named_parameters() if p.is_floating_point()]
+    finite = torch.stack([torch.isfinite(p).all() for _, p in params]).cpu().tolist()
+    bad = [name for (name, _), ok in zip(params, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise TrainingError(f"{source}: the target's weight {bad[0]}{more} holds NaN or inf values: its checkpoint "
+                            "is corrupt; download it again")
+
+
+TOKENIZER_PADDING = 1024  # embedding rows past the tokenizer that models pad with (Qwen3: 267), not a mismatch
+
+
+def check_tokenizer_fits(tokenizer_size: int, vocab_size: int, target: str) -> None:
+    """A tokenizer with ids past the target's vocabulary cannot work (refused); one much smaller than it is
+    probably another model's (warned): its ids still index the embedding, so training would run on wrong text."""
+    if tokenizer_size > vocab_size:
+        raise TrainingError(f"{target}: the tokenizer has {tokenizer_size} tokens, more than the target's "
+                            f"vocabulary of {vocab_size}: use the target's own tokenizer")
+    if vocab_size - tokenizer_size > max(TOKENIZER_PADDING, vocab_size // 100):
+        warnings.warn(f"{target}: the tokenizer has {tokenizer_size} tokens, the target's vocabulary "
+                      f"{vocab_size}: is it the target's own tokenizer?", stacklevel=2)
+
+
+def _load_tokenizer(target: str):
+    """The target's tokenizer. A missing folder, a config.json that is no JSON object, or a failed load is one
+    line naming the path (transformers would raise from deep inside with a 30-line traceback)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.models.checkpoint import CheckpointError, read_json
+    from draftsmith.models.model_card import looks_like_hub_id
+
+    path = Path(target).expanduser()
+    if path.exists():
+        config = path / "config.json"
+        if not config.is_file():
+            raise TrainingError(f"model.target {target}: no config.json there (expected a Hugging Face model folder)")
+        try:
+            parsed = read_json(config)
+        except CheckpointError as e:
+            raise TrainingError(f"model.target: {e}: fix the file or download the model again") from None
+        if not isinstance(parsed, dict):
+            raise TrainingError(f"model.target: {config}: expected a JSON object, got {type(parsed).__name__}")
+    elif not looks_like_hub_id(target):
+        raise TrainingError(f"model.target {target}: no such folder, and not a Hugging Face repo id (ORG/NAME)")
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"model.target {target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
 
 
 def load_initial_weights(drafter, path: str, method: str) -> None:
@@ -169,8 +331,10 @@ def load_initial_weights(drafter, path: str, method: str) -> None:
 
 
 @torch.no_grad()
-def evaluate(method, drafter, samples, batch_size, pad_id, device) -> dict[str, float]:
-    """Held-out loss, per-step top-1 accuracy and simulated acceptance length, weighted by valid positions."""
+def evaluate(method, drafter, samples, batch_size, pad_id, device, features: FeatureCheck | None = None
+             ) -> dict[str, float]:
+    """Held-out loss, per-step top-1 accuracy and simulated acceptance length, weighted by valid positions.
+    With `features` (the target's checked capture), a non-finite feature of an eval sample stops the run."""
     if not samples:
         return {}
     drafter.eval()
@@ -179,6 +343,12 @@ def evaluate(method, drafter, samples, batch_size, pad_id, device) -> dict[str, 
     for i in range(0, len(samples), batch_size):
         batch = collate(samples[i:i + batch_size], pad_id, device)
         loss, metrics = method.loss(drafter, batch)
+        rows_ok = features.take() if features is not None else None
+        if rows_ok is not None and not bool(rows_ok.all()):  # evaluation syncs per batch anyway
+            bad = i + int((~rows_ok).nonzero()[0, 0])
+            raise TrainingError(f"evaluation: the target's hidden states for eval sample {bad} are not finite (NaN "
+                                "or inf): the target's weights hold a NaN, or it overflows in half precision (try "
+                                "model.dtype=float32)")
         weight = float(metrics["count_0"])
         weight_total += weight
         for key in ["sim_accept_len", *[k for k in metrics if k.startswith(("acc_", "loss_"))]]:
@@ -189,20 +359,41 @@ def evaluate(method, drafter, samples, batch_size, pad_id, device) -> dict[str, 
 
 
 def train(recipe: Recipe, log=print) -> Path:
-    """Train the drafter a recipe describes; returns the final checkpoint folder."""
+    """Train the drafter a recipe describes; returns the final checkpoint folder. A run that fails before it
+    writes anything leaves no output_dir behind (when it created it); a full disk is one line."""
+    from draftsmith.models.checkpoint import is_disk_full, write_failure
+
+    output_dir = Path(recipe.output_dir)
+    created = not output_dir.exists()
+    try:
+        with contextlib.ExitStack() as closing:  # the progress bar is closed before an error is printed
+            return _train(recipe, output_dir, log, closing)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise TrainingError(f"{write_failure(e, output_dir)}: free space and rerun (the run resumes from its last "
+                            "checkpoint)") from None
+    finally:
+        if created and output_dir.is_dir() and not any(output_dir.iterdir()):
+            with contextlib.suppress(OSError):  # another process of the run may have removed it first
+                output_dir.rmdir()
+
+
+def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import AutoTokenizer
 
     from draftsmith.data import prepare_dataset
     from draftsmith.data.vocab import load_or_build_draft_vocab
     from draftsmith.models.target import TargetModel
 
     cfg = recipe.training
-    output_dir = Path(recipe.output_dir)
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = dev.mixed_precision_for(dev.get_device())
+    elif mixed == "bf16":
+        dev.warn_if_emulated_bf16(dev.get_device(), "set training.mixed_precision=no (or auto) and "
+                                                    "model.dtype=float32")
     accelerator = Accelerator(
         mixed_precision=mixed,
         gradient_accumulation_steps=cfg.grad_accum_steps,
@@ -212,9 +403,15 @@ def train(recipe: Recipe, log=print) -> Path:
     log = log if accelerator.is_main_process else (lambda *a, **k: None)
     set_seed(cfg.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = latest_checkpoint(output_dir)
+    if resume_from is not None:  # before anything slow: a rerun of another recipe is refused at once
+        check_same_run(resume_from, recipe, output_dir)
+    if accelerator.is_main_process:
+        for stale in output_dir.glob(".checkpoint-*.tmp"):  # a save killed halfway (kill -9); this run saves later
+            shutil.rmtree(stale, ignore_errors=True)
 
     method_cls = _method_class(recipe.model.method)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.target)
+    tokenizer = _load_tokenizer(recipe.model.target)
     with accelerator.main_process_first():
         data = prepare_dataset(recipe.data, tokenizer, log=log)
     if not data.train:
@@ -223,16 +420,27 @@ def train(recipe: Recipe, log=print) -> Path:
         "bfloat16" if mixed == "bf16" else "float32")
     target = TargetModel.from_pretrained(recipe.model.target, dtype=target_dtype, device=accelerator.device,
                                          attn_implementation=recipe.model.attn_implementation)
-    if recipe.model.draft_vocab_size > target.vocab_size:
+    check_target_weights(target, recipe.model.target)
+    check_tokenizer_fits(len(tokenizer), target.vocab_size, recipe.model.target)
+    features = FeatureCheck(target.capture)
+    target.capture = features  # the methods capture inside their loss; this records which rows came out finite
+    uses_draft_vocab = recipe.model.method == "eagle3"
+    vocab_size = draft_vocab_size_for(recipe.model, target.vocab_size) if uses_draft_vocab else target.vocab_size
+    if vocab_size > target.vocab_size:
         raise TrainingError(
-            f"model.draft_vocab_size ({recipe.model.draft_vocab_size}) exceeds the target vocabulary "
-            f"({target.vocab_size}): set model.draft_vocab_size <= {target.vocab_size}"
+            f"model.draft_vocab_size ({vocab_size}) exceeds the target vocabulary ({target.vocab_size}): set "
+            f"model.draft_vocab_size <= {target.vocab_size}, or null for min(32000, the target's)"
         )
     method = method_cls(recipe, target)
+    for note in getattr(method, "notes", []):
+        log(note)
     with accelerator.main_process_first():
         d2t, t2d, vocab_path = load_or_build_draft_vocab(
-            recipe.data.cache_path(), tokenizer, data.train, target.vocab_size, recipe.model.draft_vocab_size)
-    log(f"draft vocab: {recipe.model.draft_vocab_size} of {target.vocab_size} tokens ({vocab_path})")
+            recipe.data.cache_path(), tokenizer, data.train, target.vocab_size, vocab_size)
+    if uses_draft_vocab:
+        log(f"draft vocab: {vocab_size} of {target.vocab_size} tokens ({vocab_path})")
+    elif recipe.model.draft_vocab_size is not None:
+        log(f"model.draft_vocab_size is not used by {recipe.model.method}: it reads out with the target's head")
     drafter = method.build_drafter(d2t, t2d)
     if recipe.model.init_from:
         load_initial_weights(drafter, recipe.model.init_from, recipe.model.method)
@@ -260,14 +468,18 @@ def train(recipe: Recipe, log=print) -> Path:
     drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
     for scheduler in schedulers:
         accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_save_state_pre_hook(_state_without_model)  # the weights live in model.safetensors
+    accelerator.register_load_state_pre_hook(_model_from_checkpoint(accelerator))
 
     state = {"step": 0, "epoch": 0, "micro_batches_done": 0, "tokens_seen": 0, "train_seconds": 0.0}
-    resume_from = latest_checkpoint(output_dir)
+    metrics_path = output_dir / "metrics.jsonl"
     if resume_from is not None:
         accelerator.load_state(str(resume_from / STATE_DIR))
         state = {**state, **json.loads((resume_from / "trainer_state.json").read_text())}
         if "plan" in state:
             planned["plan"] = SchedulePlan.from_dict(state["plan"])
+        if accelerator.is_main_process:
+            drop_replayed_rows(metrics_path, state["step"])
         log(f"resuming from {resume_from} at step {state['step']}")
     state["plan"] = planned["plan"].to_dict()
     log(f"optimizer: {' + '.join(type(o.optimizer).__name__ for o in optimizers)}, lr {cfg.lr}"
@@ -279,14 +491,20 @@ def train(recipe: Recipe, log=print) -> Path:
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=_flat(recipe_to_dict(recipe)))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    metrics_path = output_dir / "metrics.jsonl"
+    watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
+    stuck = StuckWatch()
+
+    def check_health() -> None:
+        """Stop on the first NaN/inf since the last call; called where the loop syncs anyway (health.py)."""
+        _raise_if_unhealthy(watch, accelerator)
+
     started = time.time() - state["train_seconds"]  # a resumed run keeps the budget it has spent
     probe_times: dict[int, float] = {}  # probe (and re-plan) step -> wall time at its end (device synchronised)
     eval_seconds, eval_spent = 0.0, 0.0  # one evaluation's cost, and the time evaluations took since the probe
     window_tokens, window_start = 0, time.time()
     window_loss, window_micro = 0.0, 0  # mean micro-batch loss since the last log line
-    progress = tqdm(total=planned["plan"].total, initial=state["step"], desc="train",
-                    disable=not accelerator.is_main_process)
+    progress = closing.enter_context(tqdm(total=planned["plan"].total, initial=state["step"], desc="train",
+                                          disable=not accelerator.is_main_process))
     drafter.train()
     last_saved = state["step"] if resume_from else -1
     stop = state["step"] >= planned["plan"].total
@@ -299,11 +517,13 @@ def train(recipe: Recipe, log=print) -> Path:
             batch = collate(samples, pad_id, accelerator.device)
             with accelerator.accumulate(drafter):
                 loss, metrics = method.loss(drafter, batch)
+                watch.observe_micro_batch(state["step"] + 1, batches[micro], features.take(), loss)  # no sync
                 accelerator.backward(loss)
                 window_loss = window_loss + loss.detach()
                 window_micro += 1
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(trainable, cfg.max_grad_norm)
+                    watch.observe_step(state["step"] + 1, grad_norm)
                 for optimizer in optimizers:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -323,6 +543,7 @@ def train(recipe: Recipe, log=print) -> Path:
                 dev.synchronize(accelerator.device)
                 probe_times[step] = time.time()
                 if plan.probing and step == plan.hold:
+                    check_health()
                     planned["plan"], eval_seconds = _plan_the_budget(cfg, probe_times, started, total_steps, method,
                                                                      drafter, data.eval, pad_id, accelerator,
                                                                      metrics_path, log)
@@ -345,6 +566,7 @@ def train(recipe: Recipe, log=print) -> Path:
             out_of_time = cfg.max_minutes is not None and elapsed_min >= cfg.max_minutes
             stop = step >= planned["plan"].total or out_of_time
             if step % cfg.log_every == 0 or stop:
+                check_health()  # its one transfer is the sync this log line makes anyway
                 now = time.time()
                 row = {"step": step, "epoch": state["epoch"], "lr": schedulers[0].get_last_lr()[0],
                        "loss": float(window_loss) / window_micro, "grad_norm": float(grad_norm),
@@ -355,16 +577,20 @@ def train(recipe: Recipe, log=print) -> Path:
                 progress.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{row.get('train/acc_0', 0):.2f}",
                                      tau=f"{row['train/sim_accept_len']:.2f}")
                 _log_row(accelerator, metrics_path, row)
+                for warning in stuck.observe(step, row["loss"], row["grad_norm"], row["lr"]):
+                    log(f"warning: {warning}")
             if step % cfg.eval_every == 0 or stop:
+                check_health()  # evaluation syncs on every batch anyway
                 eval_started = time.time()
                 row = {"step": step, **evaluate(method, drafter, data.eval, cfg.batch_size, pad_id,
-                                                accelerator.device)}
+                                                accelerator.device, features)}
                 eval_spent += time.time() - eval_started
                 if len(row) > 1:
                     log(f"step {step}: eval loss {row['eval/loss']:.4f} acc_0 {row['eval/acc_0']:.3f} "
                         f"simulated acceptance length {row['eval/sim_accept_len']:.2f}")
                     _log_row(accelerator, metrics_path, row)
             if step % cfg.save_every == 0 or stop:
+                check_health()  # a checkpoint never holds a NaN
                 save_checkpoint(accelerator, drafter, method, recipe, output_dir, state)
                 last_saved = step
             if stop:
@@ -377,6 +603,7 @@ def train(recipe: Recipe, log=print) -> Path:
             stop = cfg.max_steps is None and state["epoch"] >= cfg.epochs
     progress.close()
     if last_saved != state["step"]:
+        check_health()
         save_checkpoint(accelerator, drafter, method, recipe, output_dir, state)
     accelerator.end_training()
     final = latest_checkpoint(output_dir)
@@ -407,6 +634,22 @@ def _plan_the_budget(cfg, probe_times, started, max_steps, method, drafter, eval
     log(f"time budget {cfg.max_minutes} min: {plan.note}; warmup {plan.warmup}, {plan.shape} decay to 0 at step "
         f"{plan.total}" + (f", re-planned at step {plan.replan_step}" if plan.replan_step else ""))
     return plan, eval_seconds
+
+
+def _raise_if_unhealthy(watch: FiniteWatch, accelerator) -> None:
+    problem = watch.first_problem()
+    if accelerator.num_processes > 1:  # all processes stop together, or the others wait forever in a collective
+        found = accelerator.reduce(torch.tensor([float(problem is not None)], device=accelerator.device), "sum")
+        if problem is None and float(found) > 0:
+            problem = "another process found NaN or inf values (its message names the step and sample)"
+    if problem is not None:
+        raise TrainingError(problem)
+
+
+def _describe(tokenizer, samples, i: int) -> str:
+    """A training sample as a message names it: its index in the training set and its first words."""
+    text = " ".join(tokenizer.decode(samples[i].input_ids[:48], skip_special_tokens=True).split())
+    return f"training sample {i} ({text[:60]!r})"
 
 
 def _log_row(accelerator, path: Path, row: dict) -> None:

@@ -73,11 +73,14 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 
 def _chunk_cross_entropy(hidden, labels, weight):
     logits = F.linear(hidden.to(weight.dtype), weight).float()  # (M, V)
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+    # argmax of a row holding NaN is the NaN's index, which can equal the label: such a row predicts nothing (-1)
+    pred = logits.argmax(-1).masked_fill(~torch.isfinite(logits).all(-1), -1)
+    return F.cross_entropy(logits, labels, reduction="none"), pred
 
 
 def head_cross_entropy(hidden, labels, head_weight, chunk_size: int = 2048):
-    """Per-row CE (M,) and argmax (M,) of `hidden` (M, H) read out by the frozen head (V, H).
+    """Per-row CE (M,) and argmax (M,) of `hidden` (M, H) read out by the frozen head (V, H); the argmax of a
+    non-finite row is -1, so it never counts as correct.
 
     Each chunk is recomputed in backward (activation checkpointing), so only (chunk, V) logits are ever alive.
     """

@@ -46,6 +46,13 @@ class DflashMethod:
             mask_token_id=mask_id, learned_mask=learned, target_name_or_path=recipe.model.target,
         )
         self.aux_layer_ids = self.config.aux_layer_ids
+        self.draft_vocab_size = None  # read out with the target's whole head
+        if learned:
+            where = (f"engines substitute it at spare token id {mask_id}" if mask_id is not None
+                     else "the target has no spare token id, so engines need the mask_embedding file")
+            self.notes = [f"dflash: mask slots use a learned mask embedding ({where})"]
+        else:
+            self.notes = [f"dflash: mask slots use the target's frozen embedding row of token {mask_id}"]
         self.num_anchors = section.anchors_per_sequence
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
 

@@ -15,6 +15,7 @@ from draftsmith.models.drafter_config import (
     DrafterLoadError,
     load_drafter_weights,
     load_for_inference,
+    local_folder,
     read_drafter_config,
 )
 from draftsmith.models.eagle3.config import FORWARD_FLAGS, Eagle3Config
@@ -163,5 +164,5 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> Eagle3D
     """An eval-mode drafter; a draftsmith output_dir means its latest checkpoint."""
     from draftsmith.models.checkpoint import resolve_checkpoint
 
-    config, tensors = read_drafter_folder(resolve_checkpoint(path))
+    config, tensors = read_drafter_folder(resolve_checkpoint(local_folder(path)))
     return load_for_inference(Eagle3Drafter(config), tensors, path, device, dtype, DrafterLoadError)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ from draftsmith.models.eagle3.export import (
 )
 from draftsmith.models.importer import IMPORT_FILE
 from draftsmith.models.drafter_config import is_int, legacy_rope
-from draftsmith.models.model_card import render_model_card
+from draftsmith.models.model_card import looks_like_hub_id, render_model_card
 
 SPECULATORS_MODEL_TYPE = "eagle3"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
@@ -183,6 +184,26 @@ def transformer_layer_config(config: Eagle3Config) -> dict[str, Any]:
     }
 
 
+HF_CACHE_REPO = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/")  # a Hugging Face cache snapshot
+
+
+def verifier_name(target: str, given: str | None = None) -> tuple[str, str | None]:
+    """(what `speculators_config.verifier.name_or_path` records, a warning or None).
+
+    A pushed checkpoint is served elsewhere, so the verifier should be the Hub id the target came from: `given`
+    (`export --verifier`), else the recipe's target when it is a Hub id, else the id of a Hugging Face cache
+    snapshot the local path points into. Only a plain local folder is left as it is, with a warning."""
+    if given:
+        return given, None
+    if looks_like_hub_id(target):
+        return target, None
+    cached = HF_CACHE_REPO.search(str(Path(target).resolve()) + "/") if target else None
+    if cached:
+        return f"{cached['org']}/{cached['name']}", None
+    return target, (f"speculators_config.verifier.name_or_path is the local path {target!r}: a pushed checkpoint "
+                    "would name a folder on this machine; pass --verifier ORG/NAME (the target's Hub id)")
+
+
 def speculators_config(
     config: Eagle3Config,
     *,
@@ -190,8 +211,10 @@ def speculators_config(
     verifier_architectures: list[str] | None = None,
     target_max_position_embeddings: int | None = None,
     step: int | None = None,
+    verifier: str | None = None,
 ) -> dict[str, Any]:
-    """The speculators-format `config.json` of a draftsmith EAGLE-3 config."""
+    """The speculators-format `config.json` of a draftsmith EAGLE-3 config; `verifier` (default: the target as the
+    checkpoint names it) is what vLLM will serve as the target."""
     return {
         "architectures": [ARCHITECTURE],
         "speculators_model_type": SPECULATORS_MODEL_TYPE,
@@ -210,7 +233,7 @@ def speculators_config(
             ],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": config.target_name_or_path,
+                "name_or_path": verifier or config.target_name_or_path,
                 "architectures": list(verifier_architectures or config.target_architectures),
             },
         },
@@ -446,12 +469,12 @@ def _num_speculative_tokens(eval_result: Any, ckpt: Path) -> int:
 
 def export_speculators(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-    dtype: torch.dtype | None = torch.bfloat16,
+    dtype: torch.dtype | None = torch.bfloat16, verifier: str | None = None,
 ) -> ExportResult:
     """Build, validate and write the speculators layout (config.json, model.safetensors, README.md), all or nothing.
 
     Floating-point weights, the copied target embedding included, are written in `dtype` (None keeps the
-    checkpoint's own)."""
+    checkpoint's own). `verifier` is the target's Hub id to record (see `verifier_name`)."""
     out_dir = Path(out_dir)
     ckpt = resolve_checkpoint(checkpoint)
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
@@ -466,9 +489,12 @@ def export_speculators(
         warnings.append("the target's architectures are unknown; speculators_config.verifier.architectures is empty")
     target_max = target_config.get("max_position_embeddings")
     num_tokens = _num_speculative_tokens(eval_result, ckpt)
+    verifier, why = verifier_name(cfg.target_name_or_path, verifier)
+    if why:
+        warnings.append(why)
     config = speculators_config(cfg, num_speculative_tokens=num_tokens, verifier_architectures=architectures,
                                 target_max_position_embeddings=target_max if is_int(target_max) else None,
-                                step=step)
+                                step=step, verifier=verifier)
 
     tensors = {SPECULATORS_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
                for name, t in state.items()}  # unknown names kept, then refused
@@ -486,8 +512,7 @@ def export_speculators(
         raise ExportError(f"{ckpt}: refusing to export as speculators EAGLE-3: " + "; ".join(problems))
     warnings += more_warnings
 
-    commands = speculators_serve_commands(cfg.target_name_or_path, str(out_dir), num_tokens,
-                                          sglang=not any(cfg.variants().values()))
+    commands = speculators_serve_commands(verifier, str(out_dir), num_tokens, sglang=not any(cfg.variants().values()))
     card = render_speculators_card(config, commands, recipe_text=notes.recipe_text, eval_result=eval_result)
     return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
                         serve_commands=commands)

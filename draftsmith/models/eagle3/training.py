@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.config import draft_vocab_size_for
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
 from draftsmith.models.eagle3.model import Eagle3Drafter, init_drafter_from_target
@@ -20,9 +21,13 @@ class Eagle3Method:
         self.loss_options = dict(decay=training.ttt_decay, kind=training.loss, lk_eta=training.lk_eta,
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab)
         self.config = Eagle3Config.from_target(
-            target.config, recipe.model.draft_vocab_size, recipe.model.aux_layer_ids,
+            target.config, draft_vocab_size_for(recipe.model, target.vocab_size), recipe.model.aux_layer_ids,
             target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
         )
+        self.draft_vocab_size = self.config.draft_vocab_size
+        on = [name for name, value in recipe.eagle3.model_dump().items() if value]
+        self.notes = [f"eagle3: {', '.join(on)} on (vLLM's speculators layout serves them, SGLang does not)"] if on \
+            else []
         self.aux_layer_ids = self.config.aux_layer_ids
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:

@@ -19,6 +19,9 @@ from draftsmith.models.drafter_config import config_from_dict
 
 METHOD = "mtp"
 LAYOUTS = ("deepseek", "qwen3_next")  # native MTP weight layouts (see native.py)
+# What depth 1 reads: the target's last hidden state after its final norm, which is what vLLM and SGLang hand their
+# MTP modules (model.py). Configs written before draftsmith followed it (pre-norm) lack the key and are refused.
+HIDDEN_INPUT = "final_normed"
 
 
 def target_config_dict(config: PretrainedConfig) -> dict[str, Any]:
@@ -53,6 +56,7 @@ class MtpDrafterConfig:
     block_layer_idx: int = 0  # see block_layer_index
     rms_norm_eps: float = 1e-6
     mask_position_0: bool = False  # zero the token embedding at position 0, as vLLM's DeepSeek MTP does
+    hidden_input: str = HIDDEN_INPUT  # the target hidden state depth 1 reads (see HIDDEN_INPUT)
     native_layout: str | None = None  # "deepseek" / "qwen3_next": the layout `export --format mtp` writes
     target_name_or_path: str = ""
     target_model_type: str = ""
@@ -64,6 +68,9 @@ class MtpDrafterConfig:
             raise ValueError(f"MTP config: native_layout {self.native_layout!r} is not one of {LAYOUTS}")
         if self.num_modules < 1 or self.num_depths < 1:
             raise ValueError("MTP config: num_modules and num_depths must be >= 1")
+        if self.hidden_input != HIDDEN_INPUT:
+            raise ValueError(f"MTP config: hidden_input {self.hidden_input!r}: draftsmith trains and runs MTP on "
+                             f"{HIDDEN_INPUT!r} only")
 
     @classmethod
     def from_target(cls, target: PretrainedConfig, num_modules: int = 1, recursive: bool = True, num_depths: int = 1,
@@ -110,4 +117,8 @@ class MtpDrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MtpDrafterConfig":
+        if d.get("method", METHOD) == METHOD and "hidden_input" not in d:
+            raise ValueError("MTP config has no hidden_input: an older draftsmith trained it on the target's pre-norm "
+                             "hidden state, which engines never hand MTP; retrain it (model.init_from=<this "
+                             "checkpoint> starts from its weights)")
         return config_from_dict(cls, d, "MTP", METHOD)

@@ -69,7 +69,8 @@ def native_config(config: MtpDrafterConfig, step: int | None) -> dict[str, Any]:
     out.pop("quantization_config", None)  # the exported MTP tensors are not quantized
     out["num_nextn_predict_layers"] = config.num_modules
     out["draftsmith"] = {"version": draftsmith_version(), "method": METHOD, "layout": config.native_layout,
-                         "target": config.target_name_or_path, "num_depths_trained": config.num_depths,
+                         "target": config.target_name_or_path, "hidden_input": config.hidden_input,
+                         "num_depths_trained": config.num_depths,
                          "recursive": config.recursive, "step": step}
     return out
 
@@ -130,8 +131,9 @@ def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, ove
                  "depths trained": f"{config.num_depths} ({'recursive' if config.recursive else 'one module each'})",
                  "block": f"one {config.target_model_type} decoder layer per module",
                  "training step": step if step is not None else "unknown"},
-        aux_layer_ids=[("capture id L: the last decoder layer's output before the final norm, as every MTP "
-                        "engine reads it", "num_hidden_layers" if config.native_layout else "num_target_layers",
+        aux_layer_ids=[("the target's last hidden state after its final norm (capture id L, normed): what the "
+                        "target's forward returns and vLLM and SGLang hand their MTP modules",
+                        "num_hidden_layers" if config.native_layout else "num_target_layers",
                         [config.num_target_layers])],
         serve_commands=commands,
         recipe_text=notes.recipe_text,

@@ -30,7 +30,11 @@ def read_mtp_folder(path: str | Path) -> tuple[MtpDrafterConfig, dict[str, torch
         raw = _read_config(ckpt / CONFIG_FILE)
         if raw.get("method") != METHOD:
             raise MtpLoadError(f"{ckpt / CONFIG_FILE}: method {raw.get('method')!r}, not an MTP drafter")
-        return MtpDrafterConfig.from_dict(raw), load_file(str(ckpt / WEIGHTS_FILE))
+        try:
+            config = MtpDrafterConfig.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            raise MtpLoadError(f"{ckpt / CONFIG_FILE}: {e}") from None
+        return config, load_file(str(ckpt / WEIGHTS_FILE))
 
     from transformers import AutoConfig
 

@@ -24,13 +24,15 @@ from draftsmith.models.mtp.model import shift_left
 
 
 def _soft_ce_rows(draft_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head: nn.Module):
-    """Per-row soft CE and top-1 agreement for rows of (N, H) draft and teacher (final-normed) states."""
+    """Per-row soft CE and top-1 agreement for rows of (N, H) draft and teacher (final-normed) states; a row with
+    a non-finite logit never agrees."""
     weight_dtype = lm_head.weight.dtype
     log_q = torch.log_softmax(lm_head(draft_hidden.to(weight_dtype)).float(), dim=-1)  # (N, V)
     with torch.no_grad():
         teacher = lm_head(teacher_hidden.to(weight_dtype)).float()  # (N, V)
         p = torch.softmax(teacher, dim=-1)
-        agree = log_q.argmax(-1) == teacher.argmax(-1)  # (N,)
+        finite = torch.isfinite(log_q).all(-1) & torch.isfinite(teacher).all(-1)  # a NaN row's argmax is its NaN
+        agree = (log_q.argmax(-1) == teacher.argmax(-1)) & finite  # (N,)
     return -(p * log_q).sum(-1), agree
 
 

@@ -2,18 +2,23 @@
 
 One module (DeepSeek-V3's names, which native checkpoints use):
 
-    enorm, hnorm    RMSNorm of the token embedding and of the previous depth's hidden state
+    enorm, hnorm    RMSNorm of the token embedding and of the hidden state the depth reads
     eh_proj         Linear(2H -> H) over cat(enorm(embed), hnorm(hidden))   (embedding first, as the checkpoints)
     block           one decoder layer of the target's own class (Llama, Qwen3, DeepSeek-V3 MLA + MoE, ...)
     shared_head     .norm before the target's frozen lm_head
 
-Alignment (t = tokens, h^0 = the target's last hidden state *before* its final norm, capture id L):
+Hidden states are always *normed* ones, because that is what the engines hand an MTP module: h^0 is the target's
+last hidden state after its final norm (what the target's forward returns in vLLM and SGLang), and h^d is depth
+d's block output after its shared_head.norm (what lm_head reads, and what vLLM's DeepSeek-V3 and Qwen3-Next MTP
+and SGLang's NextN return for the next depth; vLLM's GLM-4.5 MTP alone recycles the un-normed output). hnorm cannot
+absorb a final norm's weight, so training on the pre-norm state would serve the module on other inputs.
+Alignment (t = tokens):
 
     position i          0          1          2        ...
-    target   h^0_i      h^0_0      h^0_1      h^0_2         lm_head(norm(h^0_i)) predicts t_{i+1}
-    depth 1  input      t_1, h^0_0 t_2, h^0_1 t_3, h^0_2    h^1_i predicts t_{i+2}
-    depth 2  input      t_2, h^1_0 t_3, h^1_1 t_4, h^1_2    h^2_i predicts t_{i+3}
-    depth d  input      embed(t_{i+d}) and h^{d-1}_i        h^d_i predicts t_{i+1+d}
+    target   h^0_i      h^0_0      h^0_1      h^0_2         lm_head(h^0_i) predicts t_{i+1}
+    depth 1  input      t_1, h^0_0 t_2, h^0_1 t_3, h^0_2    lm_head(h^1_i) predicts t_{i+2}
+    depth 2  input      t_2, h^1_0 t_3, h^1_1 t_4, h^1_2    lm_head(h^2_i) predicts t_{i+3}
+    depth d  input      embed(t_{i+d}) and h^{d-1}_i        lm_head(h^d_i) predicts t_{i+1+d}
 
 Every depth sits at position i (RoPE position i) and attends causally to its own depth at positions <= i, so
 training is one causal pass per depth, with no training-time-test unroll. Depth d runs module (d-1) % n.
@@ -133,10 +138,10 @@ class MtpDrafter(nn.Module):
 
     # ---- training: one causal pass per depth ------------------------------------------------------
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, num_depths: int) -> list[torch.Tensor]:
-        """Per-depth final-normed hidden states, each (B, S, H); lm_head of depth d at i predicts t_{i+1+d}.
+        """Per-depth normed states h^1..h^num_depths, each (B, S, H); lm_head(h^d) at i predicts t_{i+1+d}.
 
-        token_embeds (B, S, H): embed(t_0 .. t_{S-1}); hidden (B, S, H): the target's pre-norm h^0.
-        Right padding needs no mask: attention is causal, so padded positions never reach valid ones.
+        token_embeds (B, S, H): embed(t_0 .. t_{S-1}); hidden (B, S, H): h^0, the target's final-normed last hidden
+        state. Right padding needs no mask: attention is causal, so padded positions never reach valid ones.
         """
         b, s, _ = hidden.shape
         position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, -1)  # (B, S)
@@ -147,8 +152,8 @@ class MtpDrafter(nn.Module):
             embeds = self._embeds_at(shift_left(token_embeds, depth), position_ids)  # embed(t_{i+d})
             out = layer.block(layer.fuse(embeds, hidden), attention_mask=None, position_ids=position_ids,
                               position_embeddings=cos_sin)
-            hidden = out[0] if isinstance(out, tuple) else out  # (B, S, H) = h^d
-            outs.append(layer.head_norm(hidden))
+            hidden = layer.head_norm(out[0] if isinstance(out, tuple) else out)  # (B, S, H) = h^d, read by d+1
+            outs.append(hidden)
         return outs
 
     # ---- runtime: one depth over a KV cache -------------------------------------------------------
@@ -168,7 +173,8 @@ class MtpDrafter(nn.Module):
         return KVCache(1, batch_size, num_kv_heads, attn.head_dim, max_length, dtype, device)
 
     def step(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Depth `depth` over T new positions cache.length.. (embeds, hidden (B, T, H)); returns h^d (B, T, H)."""
+        """Depth `depth` over T new positions cache.length.. (embeds, hidden = h^{d-1} (B, T, H)); returns the normed
+        h^d (B, T, H), as `forward` does."""
         b, t, _ = embeds.shape
         start, end = cache.length, cache.length + t
         if end > cache.max_length:
@@ -177,7 +183,7 @@ class MtpDrafter(nn.Module):
         layer = self.layer_for_depth(depth)
         x = layer.fuse(self._embeds_at(embeds, position_ids), hidden)  # (B, T, H)
         cos, sin = self.rotary_emb(x, position_ids)
-        return cached_decoder_layer(layer.block, x, cos.unsqueeze(1), sin.unsqueeze(1), cache)
+        return layer.head_norm(cached_decoder_layer(layer.block, x, cos.unsqueeze(1), sin.unsqueeze(1), cache))
 
     def step_static(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
                     start: torch.Tensor) -> torch.Tensor:
@@ -189,7 +195,8 @@ class MtpDrafter(nn.Module):
         layer = self.layer_for_depth(depth)
         x = layer.fuse(self._embeds_at(embeds, position_ids), hidden)  # (1, T, H)
         cos, sin = self.rotary_emb(x, position_ids)
-        return cached_decoder_layer(layer.block, x, cos.unsqueeze(1), sin.unsqueeze(1), cache, position_ids[0])
+        out = cached_decoder_layer(layer.block, x, cos.unsqueeze(1), sin.unsqueeze(1), cache, position_ids[0])
+        return layer.head_norm(out)  # (1, T, H)
 
 
 def cached_decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -12,8 +12,11 @@ round. Drafting from the last committed position p-1, for p = 5:
 
 So each draft is exactly what the training forward (one causal pass per depth) gives on the context followed by
 the earlier drafts, and depth d re-runs only its d-1 speculative positions. All model work happens in
-`propose`; `extend` only records tokens and target features. Drafts are argmax (one-hot), so the sampler is not
-used. Rows of a batch commit different numbers of tokens, so each row keeps its own state and drafts on its own.
+`propose`; `extend` only records tokens and h^0, the target's final norm applied to capture id L: the state the
+target's own logits (and vLLM's forward output) come from, as in training. Drafts are argmax (one-hot), so the
+sampler is not used. Rows of a batch commit different numbers of tokens, so each row keeps its own state and
+drafts on its own; a row that got no new token since its last proposal has finished and drafts nothing (its
+state stays as it was, and the runtime ignores its drafts anyway).
 
 Engines differ past depth 1: vLLM and SGLang run depth d+1 at the *next* position of one shared MTP cache
 (EAGLE-style), which matches neither DeepSeek-V3's training nor this runtime, so their acceptance at positions
@@ -37,8 +40,8 @@ INITIAL_CACHE_LENGTH = 2048
 
 
 class MtpProposer:
-    def __init__(self, drafter: MtpDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
-                 num_speculative_tokens: int):
+    def __init__(self, drafter: MtpDrafter, embed_tokens: torch.nn.Module, final_norm: torch.nn.Module,
+                 lm_head: torch.nn.Module, num_speculative_tokens: int):
         cfg = drafter.config
         if cfg.max_depth is not None and num_speculative_tokens > cfg.max_depth:
             raise ValueError(f"MTP drafter has {cfg.num_modules} sequential module(s) and was not trained to reuse "
@@ -48,9 +51,10 @@ class MtpProposer:
             raise ValueError(problem)
         self.drafter = drafter
         self.embed_tokens = embed_tokens  # the target's, shared
+        self.final_norm = final_norm  # the target's: h^0 = final_norm(capture id L)
         self.lm_head = lm_head  # the target's, shared
         self.num_depths = num_speculative_tokens
-        self.aux_layer_ids = (cfg.num_target_layers,)  # h^0: last layer output before the final norm
+        self.aux_layer_ids = (cfg.num_target_layers,)  # the last layer's output, normed in extend
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.rows: list[_Row] = []
@@ -69,7 +73,7 @@ class MtpProposer:
             raise ValueError(f"speculative config: method mtp: {e}{hint}") from None
         cfg = drafter.config
         target.check_drafter_fits(path, "MTP drafter", cfg.vocab_size, cfg.hidden_size, cfg.num_target_layers)
-        return cls(drafter, target.embed_tokens, target.lm_head, spec.num_speculative_tokens)
+        return cls(drafter, target.embed_tokens, target.final_norm, target.lm_head, spec.num_speculative_tokens)
 
     def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
         length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
@@ -98,11 +102,12 @@ class MtpProposer:
         token_ids = token_ids.to(self.device, torch.long)
         # one row: every token is real; a batch: each row's count, PAD_DRAFT_TOKEN after it (one host sync)
         counts = [token_ids.shape[1]] if len(self.rows) == 1 else (token_ids != PAD_DRAFT_TOKEN).sum(1).tolist()
+        h0 = self.final_norm(aux_hidden).to(self.dtype)  # (B, n, H) what the engines hand MTP (model.py)
         for b, (row, n) in enumerate(zip(self.rows, counts)):
             p = row.paired
             # token_ids[b, j] is the token at position p + 1 + j (restated prompt tokens included, Proposer docs)
             row.tokens = torch.cat([row.tokens[:, : p + 1], token_ids[b: b + 1, :n]], dim=1)
-            row.pending[0] = torch.cat([row.pending[0], aux_hidden[b: b + 1, :n].to(self.dtype)], dim=1)  # h^0
+            row.pending[0] = torch.cat([row.pending[0], h0[b: b + 1, :n]], dim=1)
             row.paired = p + n
 
     @torch.no_grad()
@@ -110,10 +115,19 @@ class MtpProposer:
         num = min(num_tokens, self.num_depths)
         if num <= 0:
             return Proposal.empty(len(self.rows), self.device)
-        chains = [self._propose_row(row, num) for row in self.rows]
+        # A finished row (extended by nothing since it last drafted) has no new position to run depth 1 on.
+        live = [row.paired > row.committed[0] for row in self.rows]
+        chains = [self._propose_row(row, num) if on else self._no_drafts(num) for row, on in zip(self.rows, live)]
         token_ids = torch.cat([c[0] for c in chains])  # (B, num)
-        lengths = torch.full((len(self.rows),), num, dtype=torch.long, device=self.device)
+        lengths = torch.full((len(self.rows),), num, dtype=torch.long, device=self.device)  # (B,)
+        if not all(live):  # a host-to-device copy only in the steps after a row finished
+            lengths = torch.tensor([num if on else 0 for on in live], dtype=torch.long, device=self.device)
         return Proposal(token_ids=token_ids, lengths=lengths, scores=torch.cat([c[1] for c in chains]))
+
+    def _no_drafts(self, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(PAD_DRAFT_TOKEN (1, num), -inf log-probs (1, num)): the drafts of a row that has finished."""
+        return (torch.full((1, num), PAD_DRAFT_TOKEN, dtype=torch.long, device=self.device),
+                torch.full((1, num), float("-inf"), device=self.device))
 
     def _propose_row(self, row: "_Row", num: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts (1, num), their log-probs (1, num)) for one row, updating its committed per-depth state."""
@@ -153,15 +167,16 @@ class MtpProposer:
 
     def _depth_eager(self, depth, tokens, hidden, cache):
         out = self.drafter.step(depth, self.embed_tokens(tokens), hidden, cache)
-        return (out, *self._read_draft(depth, out))
+        return (out, *self._read_draft(out))
 
     def _depth_static(self, depth, cache, tokens, hidden, starts):
         out = self.drafter.step_static(depth, self.embed_tokens(tokens), hidden, cache, starts)
-        return (out, *self._read_draft(depth, out))
+        return (out, *self._read_draft(out))
 
-    def _read_draft(self, depth: int, out):
-        """(log-prob (1,), id (1,)) of the argmax at the last position: lm_head(head_norm(h^d_{p-1})) predicts t_{p+d}."""
-        logits = self.lm_head(self.drafter.layer_for_depth(depth).head_norm(out[:, -1:]))[:, -1].float()
+    def _read_draft(self, out):
+        """(log-prob (1,), id (1,)) of the argmax at the last position: lm_head(h^d_{p-1}) predicts t_{p+d} (out is
+        normed, model.py)."""
+        logits = self.lm_head(out[:, -1]).float()  # (1, V)
         return torch.log_softmax(logits, dim=-1).max(dim=-1)
 
 

@@ -19,12 +19,15 @@ class MtpMethod:
         mtp = recipe.mtp
         self.num_depths = mtp.num_depths
         self.decay = mtp.depth_decay
-        # MTP reads the last layer's output before the final norm: capture id L (DESIGN.md §3).
+        # MTP reads the target's last hidden state after its final norm (model.py), no aux layer; id L (that state
+        # before the norm) is what the runtime captures and normalises itself (proposer.py).
         self.aux_layer_ids = [target.num_layers]
+        self.draft_vocab_size = None  # MTP reads out with the target's whole head
+        self.notes: list[str] = []
         ids = recipe.model.aux_layer_ids
         if ids is not None and list(ids) != self.aux_layer_ids:
-            raise ValueError(f"model.aux_layer_ids {ids}: MTP always reads the last layer's output (capture id "
-                             f"{target.num_layers}); set model.aux_layer_ids to null")
+            raise ValueError(f"model.aux_layer_ids {ids}: MTP always reads the target's final-normed last hidden "
+                             f"state (capture id {target.num_layers}, normed); set model.aux_layer_ids to null")
         self.native: NativeMtp | None = find_native_mtp(recipe.model.target, target.config)
         layout = self.native.layout if self.native is not None else None
         if self.native is not None and mtp.init_from_native and self.native.num_modules != mtp.num_modules:
@@ -54,6 +57,6 @@ class MtpMethod:
         captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
         with torch.no_grad():
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
-        # captured.aux_hidden is h^0 before the final norm; captured.last_hidden the normed one (teacher logits)
-        depth_hidden = drafter(token_embeds, captured.aux_hidden, self.num_depths)
+        # h^0 = captured.last_hidden, after the final norm: what the engines hand MTP (and the teacher's input)
+        depth_hidden = drafter(token_embeds, captured.last_hidden, self.num_depths)
         return mtp_loss(depth_hidden, captured.last_hidden, batch["loss_mask"], self.target.lm_head, self.decay)
