@@ -204,3 +204,18 @@ def test_fixture_suffix_is_lossless_on_mt_bench(fixture_target_dir, mt_bench_pat
         total_accepted += m.num_accepted_tokens
     assert total_accepted > 0
     assert proposer.cached_requests == [0, 1, 2]
+
+
+def test_fixture_suffix_batch_rows_finish_apart_and_stay_lossless(fixture_prompts):
+    """Rows of one batch accept their own amounts and finish at different steps (by EOS or max_new_tokens); each is
+    plain greedy decoding's output. (The global trie is shared within a batch, as vLLM shares it, so counters are
+    not compared with runs alone.)"""
+    from draftsmith.inference.generator import SpeculativeGenerator
+
+    target, _, prompts, answers, eos = fixture_prompts
+    spec = parse_spec_config({"method": "suffix", "num_speculative_tokens": 6}, device_type="cpu")
+    batch = SpeculativeGenerator(target, build_proposer(spec, target), 6).generate_batch(prompts, 40, eos)
+    assert [r.token_ids for r in batch] == answers
+    accepted = [r.metrics.num_accepted_tokens for r in batch]
+    assert min(accepted) > 0 and len(set(accepted)) > 1
+    assert len({r.num_target_steps for r in batch}) > 1  # the rows finished at different steps
