@@ -41,11 +41,14 @@ def write_answers(target_path: str, dataset: str, max_new_tokens: int, out: Path
     eos = eos_token_ids(target, tokenizer)
     prompts = load_prompts(dataset, tokenizer, limit)
     started = time.time()
-    answers = plain_answers(target, prompts, max_new_tokens, eos, temperature, seed)
+    lookahead = max(KS) if temperature == 0 else 0  # the target's tokens past each answer (runtime's last drafts)
+    answers = plain_answers(target, prompts, max_new_tokens, eos, temperature, seed, lookahead=lookahead)
+    answers, extended = answers if lookahead else (answers, None)
     record = {"target": str(target_path), "dataset": str(dataset), "dtype": "float32",
               "temperature": temperature, "seed": seed if temperature > 0 else None,
               "device": str(target.device), "max_new_tokens": max_new_tokens, "eos_token_ids": sorted(eos),
-              "seconds": round(time.time() - started, 1), "prompts": prompts, "answers": answers}
+              "seconds": round(time.time() - started, 1), "prompts": prompts, "answers": answers,
+              "extended": extended}
     write_json_atomic(record, out)
     return record
 
@@ -62,7 +65,7 @@ def simulate(target, drafter_path: str, answers: dict, ks=KS) -> dict:
     drafter = load_drafter(drafter_path, device=target.device, dtype=torch.float32)
     target.check_drafter_fits(drafter_path, "drafter", drafter.config.vocab_size, drafter.config.target_hidden_size)
     counters = simulate_greedy_chains(target, drafter, answers["prompts"], answers["answers"], ks,
-                                      answers["max_new_tokens"])
+                                      extended=answers.get("extended"))
     return {"tau": {str(k): round(m.mean_acceptance_length, 4) for k, m in counters.items()},
             "per_position_acceptance_k7": [round(x, 4) for x in counters[max(ks)].per_position_acceptance],
             "counters": {str(k): m.to_dict() for k, m in counters.items()}}

@@ -120,6 +120,18 @@ def fixture_prompts():
     return target, tokenizer, prompts, answers, eos
 
 
+ACCEPTING_LOOKAHEAD = 8  # the target's greedy tokens past each answer, for the simulation (>= every k used)
+
+
+@pytest.fixture(scope="session")
+def fixture_lookahead(fixture_prompts):
+    """Each answer of `fixture_prompts` followed by the target's next ACCEPTING_LOOKAHEAD greedy tokens."""
+    from draftsmith.inference.simulate import plain_answers
+
+    target, _, prompts, _, eos = fixture_prompts
+    return plain_answers(target, prompts, ACCEPTING_NEW_TOKENS, eos, lookahead=ACCEPTING_LOOKAHEAD)[1]
+
+
 _trained: dict[str, Path] = {}
 
 

@@ -12,23 +12,23 @@ from draftsmith.models.eagle3.proposer import Eagle3Proposer
 
 def test_replay_follows_the_generators_step_rule():
     """prompt of 3, answer of 8 tokens (generated 1 by prefill), k=3: every chain is right for 2 steps, then
-    wrong. Steps: 1 -> 4 -> 7 -> then room for min(3, 10 - 7 - 1) = 2 drafts, both right -> 10 > 8 is cut by the
-    answer's end; the counters follow vLLM's definitions."""
+    wrong. Steps: 1 -> 4 -> 7 -> 10, each drafting k=3 as vLLM does, the last too: its 2 accepted drafts pass the
+    answer's end and still count (the counters follow vLLM's definitions)."""
     correct = torch.zeros(3, 20, dtype=torch.bool)
     correct[:2] = True
-    metrics = replay_chains(correct, prompt_length=3, answer_length=8, k=3, max_new_tokens=10)
-    assert (metrics.num_drafts, metrics.num_draft_tokens, metrics.num_accepted_tokens) == (3, 8, 6)
+    metrics = replay_chains(correct, prompt_length=3, answer_length=8, k=3)
+    assert (metrics.num_drafts, metrics.num_draft_tokens, metrics.num_accepted_tokens) == (3, 9, 6)
     assert metrics.num_accepted_tokens_per_pos == [3, 3, 0]
 
 
 @pytest.mark.slow
-def test_simulated_counters_equal_the_runtimes(fixture_prompts, accepting_drafter):
-    """With a drafter that accepts (tests/conftest.py), the simulation over the target's greedy answers gives the
-    runtime's counters exactly, at every k."""
+def test_simulated_counters_equal_the_runtimes(fixture_prompts, fixture_lookahead, accepting_drafter):
+    """With a drafter that accepts (tests/conftest.py), the simulation over the target's greedy answers (and the
+    tokens past them, which the runtime's last drafts are checked against) gives the runtime's counters exactly."""
     target, _, prompts, answers, eos = fixture_prompts
     drafter = load_drafter(accepting_drafter("eagle3"), dtype=torch.float32)
     ks = (1, 3)
-    simulated = simulate_greedy_chains(target, drafter, prompts, answers, ks, ACCEPTING_NEW_TOKENS)
+    simulated = simulate_greedy_chains(target, drafter, prompts, answers, ks, extended=fixture_lookahead)
     for k in ks:
         generator = SpeculativeGenerator(target, Eagle3Proposer(drafter, target.embed_tokens), k)
         total = None

@@ -200,7 +200,10 @@ def test_fixture_suffix_is_lossless_on_mt_bench(fixture_target_dir, mt_bench_pat
         assert got.token_ids == expected.token_ids
         m = got.metrics
         assert 0 <= m.num_accepted_tokens <= m.num_draft_tokens <= 6 * m.num_drafts
-        assert got.num_target_steps == expected.num_target_steps - m.num_accepted_tokens
+        # every accepted draft saves a target step, but those of the last step past max_new_tokens (counted,
+        # as vLLM counts them, never output)
+        saved = expected.num_target_steps - got.num_target_steps
+        assert m.num_accepted_tokens - m.num_spec_tokens <= saved <= m.num_accepted_tokens
         total_accepted += m.num_accepted_tokens
     assert total_accepted > 0
     assert proposer.cached_requests == [0, 1, 2]
@@ -219,3 +222,17 @@ def test_fixture_suffix_batch_rows_finish_apart_and_stay_lossless(fixture_prompt
     accepted = [r.metrics.num_accepted_tokens for r in batch]
     assert min(accepted) > 0 and len(set(accepted)) > 1
     assert len({r.num_target_steps for r in batch}) > 1  # the rows finished at different steps
+
+
+def test_a_finished_requests_last_tokens_reach_the_global_tree(fixture_prompts):
+    """vLLM adds every output token of a request to its global suffix tree, those of the request's last step
+    too; draftsmith's used to drop them (issue 14)."""
+    from draftsmith.inference.generator import SpeculativeGenerator
+
+    target, _, prompts, answers, eos = fixture_prompts
+    spec = parse_spec_config({"method": "suffix", "num_speculative_tokens": 6}, device_type="cpu")
+    proposer = build_proposer(spec, target)
+    result = SpeculativeGenerator(target, proposer, 6).generate(torch.tensor([prompts[0]]), 40, eos)
+    assert result.token_ids == answers[0]
+    request = proposer.cached_requests[-1]
+    assert proposer.global_trie._tokens[request] == answers[0]  # the whole output, its last step's tokens too

@@ -132,26 +132,6 @@ def test_dynamic_tree_keeps_the_best_nodes_as_a_connected_subtree():
     assert parents.tolist() == [[R, R, R]]
 
 
-def test_dynamic_tree_row_depths_give_each_row_its_own_tree():
-    """In a batch, a row capped at depth d gets, first, exactly the nodes it would get alone with max_depth=d
-    (the rest, past its cap, come last and are not its drafts); without a cap the tree is the usual one."""
-    from draftsmith.inference.tree import nodes_within_depth
-
-    torch.manual_seed(1)
-    vocab, depth, top_k, num_nodes = 12, 3, 2, 6
-    table = torch.log_softmax(torch.randn(vocab, vocab) * 2, -1)
-    root = torch.log_softmax(torch.randn(2, vocab) * 2, -1)  # two rows
-    caps = torch.tensor([1, 3])
-    tokens, parents, scores = dynamic_tree(root, markov_expand(table), depth, top_k, num_nodes, row_depths=caps)
-    own = nodes_within_depth(caps, depth, top_k, num_nodes).tolist()
-    assert own == [2, 6]
-    for row, cap in enumerate(caps.tolist()):
-        alone = dynamic_tree(root[row:row + 1], markov_expand(table), depth, top_k, num_nodes, max_depth=cap)
-        n = own[row]
-        assert tokens[row, :n].tolist() == alone[0][0].tolist() and parents[row, :n].tolist() == alone[1][0].tolist()
-        torch.testing.assert_close(scores[row, :n], alone[2][0])
-
-
 def test_static_tree_fills_ranks():
     vocab = 6
     table = torch.log_softmax(torch.arange(vocab, dtype=torch.float).flip(0).expand(vocab, -1).clone(), -1)
@@ -376,7 +356,10 @@ def test_tree_paths_are_accepted_and_compacted_on_fixture(fixture_target, prompt
         assert m.num_accepted_tokens_per_pos[2] > 0 and m.num_accepted_tokens_per_pos[3] == 0
         assert sum(m.num_accepted_tokens_per_pos) == m.num_accepted_tokens
         assert m.num_draft_tokens <= 6 * m.num_drafts
-        assert got.num_target_steps == want.num_target_steps - m.num_accepted_tokens
+        # every accepted draft saves a target step, but those of the last step past max_new_tokens (counted,
+        # as vLLM counts them, never output)
+        saved = want.num_target_steps - got.num_target_steps
+        assert m.num_accepted_tokens - m.num_spec_tokens <= saved <= m.num_accepted_tokens
 
 
 TREES = {

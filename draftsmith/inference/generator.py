@@ -12,8 +12,10 @@ leaves invalid slots behind ("holes"); a finished row keeps riding along, invali
 the pointer reaches the end of the cache, every row's valid slots are gathered to the front (`_defragment`).
 A single request never has holes, so it runs with the plain causal mask and no bookkeeping at all.
 
-Metrics (vLLM's counters, `metrics.py`), per request. A chain step counts its drafts as `num_draft_tokens`. A
-tree step counts every tree node it verified (the nodes within the row's budget), as vLLM does for its static
+Metrics (vLLM's counters, `metrics.py`), per request, counted as vLLM counts them: every step drafts k tokens, the
+last one of a request too, and accepted drafts past max_new_tokens are counted though never output. A chain step
+counts its drafts as `num_draft_tokens`. A
+tree step counts every tree node it verified (the nodes within depth k), as vLLM does for its static
 trees, whose `num_speculative_tokens` is the node count; `num_accepted_tokens` is the accepted path's length and
 `num_accepted_tokens_per_pos[i]` counts steps whose path reached depth i+1. So for trees the mean acceptance
 length (1 + accepted / drafts) compares directly with chains, while the draft acceptance rate (accepted / draft
@@ -51,7 +53,7 @@ class _StepDrafts:
     """One step's drafts on the target's device, cut to the width that is verified."""
 
     token_ids: Tensor  # (B, w) PAD_DRAFT_TOKEN where invalid
-    lengths: Tensor  # (B,) valid chain drafts / tree nodes before the per-row depth cap
+    lengths: Tensor  # (B,) valid chain drafts / tree nodes
     parents: Tensor | None  # (B, w) tree parents, None for a chain
     draft_probs: Tensor | None  # (B, w, V) or None (one-hot drafts)
     depth: int | None = None  # a tree's depth bound when the proposer gave one (`Proposal.depth`)
@@ -154,37 +156,26 @@ class SpeculativeGenerator:
 
         # ---- speculative steps ------------------------------------------------------------------------------
         while any(active):
-            remaining = [max_new_tokens - len(o) if a else 0 for o, a in zip(outputs, active)]
-            # Never draft past a row's budget: its a + 1 committed tokens then always fit.
-            num_drafts = min(k, max(remaining) - 1)
-            # Per-row depth budget: never past the row's max_new_tokens (rows nearer their end than others), nor
-            # deeper than the proposer was asked.
-            budgets = [min(max(n - 1, 0), num_drafts) for n in remaining]
-            proposal = None
-            if proposer is not None and num_drafts > 0:
-                if batch > 1 and getattr(proposer, "bounds_depth_per_row", False):
-                    proposal = proposer.propose(num_drafts, row_depths=budgets)
-                else:
-                    proposal = proposer.propose(num_drafts)
+            # As vLLM does, every step drafts k tokens, a request's last one too: drafts past max_new_tokens are
+            # verified and counted (vLLM's counters include them) but never output. So each row drafts what it
+            # would alone, and the counters are the ones a vLLM dashboard shows for the same requests.
+            num_drafts = k
+            proposal = proposer.propose(num_drafts) if proposer is not None else None
             drafts = _step_drafts(proposal, num_drafts, batch, device)
             width = drafts.token_ids.shape[1]
             if cache.length + width + 1 > cache.max_length:
                 valid = _defragment(cache, valid)
             base = cache.length
             holes = valid is not None
-            # A single request never needs the budgets: no host-to-device copy then.
-            capped = any(on and b < num_drafts for on, b in zip(active, budgets))
-            cap = torch.tensor(budgets, device=device) if capped else None  # (B,)
             row_positions = torch.tensor(positions_host, device=device)[:, None] if holes else base  # of `last`
 
             step_ids = torch.cat([last, drafts.token_ids.clamp_min(0)], dim=1)  # (B, 1+w) PAD -> any valid id
             if drafts.parents is not None:
                 node_valid = torch.arange(width, device=device)[None, :] < drafts.lengths[:, None]  # (B, w)
                 ancestors = ancestor_mask(drafts.parents, node_valid)  # (B, 1+w, 1+w)
-                # Only the levels a row can commit are verified: a deeper node (and so its subtree) turns invalid.
-                # Its mask row may stay: no valid node has it as an ancestor, and an invalid node is never accepted.
-                node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= (cap[:, None] if cap is not None
-                                                                              else num_drafts))
+                # Only the levels k allows are verified: a deeper node (and so its subtree) turns invalid. Its mask
+                # row may stay: no valid node has it as an ancestor, and an invalid node is never accepted.
+                node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= num_drafts)
                 out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
                                   attention_mask=step_attention_mask(ancestors, valid, base),
                                   position_ids=row_positions + node_depths(ancestors))
@@ -198,7 +189,7 @@ class SpeculativeGenerator:
                                                                   ancestors)
                 drafted = node_valid.sum(dim=-1)
             else:
-                lengths = drafts.lengths if cap is None else torch.minimum(drafts.lengths, cap)
+                lengths = drafts.lengths
                 if holes:
                     out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
                                       attention_mask=step_attention_mask(causal_mask(width + 1, device), valid, base),
@@ -230,7 +221,8 @@ class SpeculativeGenerator:
                 if hit is not None:
                     new_tokens = new_tokens[: hit + 1]
                 outputs[b].extend(new_tokens)
-                positions_host[b] += kept[b]
+                kept[b] = len(new_tokens)  # a row that ends here keeps only what it output (its last drafts
+                positions_host[b] += kept[b]  # were counted past the end, never committed)
                 active[b] = hit is None and len(outputs[b]) < max_new_tokens
 
             # Fix the cache: keep each row's root + accepted path at base.., make the rest invalid.
@@ -246,9 +238,12 @@ class SpeculativeGenerator:
             cache.rollback(base + grow)
             last = tokens.gather(1, accepted[:, None])  # (B, 1) recovered or bonus token
 
-            if proposer is not None and any(active):
-                # Rows still running get their a + 1 tokens, finished rows nothing.
-                counts = [n if on else 0 for n, on in zip(kept, active)]
+            # Rows still running get their a + 1 tokens, finished rows nothing; a proposer that learns from whole
+            # outputs (suffix decoding's global tree, as vLLM feeds it) also gets the last tokens of rows that
+            # ended in this step.
+            finals = getattr(proposer, "extends_finished_rows", False)
+            counts = [n if on or (finals and was) else 0 for n, on, was in zip(kept, active, was_active)]
+            if proposer is not None and (any(active) or (finals and any(counts))):
                 if getattr(proposer, "extends_on_host", False):  # from this step's sync: no second one
                     extend_ids = torch.tensor([row[:n] + [PAD_DRAFT_TOKEN] * (grow - n)
                                                for row, n in zip(tokens_h, counts)], dtype=torch.long)

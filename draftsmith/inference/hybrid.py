@@ -23,6 +23,7 @@ from draftsmith.inference.suffix import SuffixProposer, path_score
 
 class SuffixHybridProposer:
     extends_on_host = True  # the suffix half reads host ids (Proposer); the drafter gets a queued copy
+    extends_finished_rows = True  # the suffix half's global tree learns a request's last tokens, as vLLM's does
 
     def __init__(self, drafter, suffix: SuffixProposer, min_score: float):
         self.drafter = drafter

@@ -116,10 +116,10 @@ class Proposer(Protocol):
     # step's one host sync, so that a proposer whose state lives on the host (n-gram, suffix) never reads the
     # device itself (a second sync per step).
     # extends_on_host: bool
-    # Optional, False when absent: True makes the runtime call `propose(num_tokens, row_depths=[...])` in batches,
-    # with each row's own depth bound (rows nearer their end than others), for a proposer whose drafts depend on
-    # the bound (a dynamic tree's rerank), so that each row drafts what it would alone.
-    # bounds_depth_per_row: bool
+    # Optional, False when absent: True makes the runtime also `extend` a row with the tokens of the step in which
+    # it ended (its output's last tokens), which a proposer learning from whole outputs needs; the row is never
+    # asked for drafts again.
+    # extends_finished_rows: bool
 
     def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
         """Start new request(s): forget all previous state. `prompt_ids` is (B, S), PAD_DRAFT_TOKEN-padded."""

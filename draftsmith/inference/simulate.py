@@ -6,7 +6,10 @@ runtime steps, tests/test_eagle3_model.py). So one teacher-forced forward of the
 gives every chain the runtime would draft, and replaying the generator's step rule on them gives its counters:
 `SpeculativeGenerator`'s `num_drafts`, `num_draft_tokens`, `num_accepted_tokens` and per-position counts, for
 every k at once, at the cost of one forward per answer. The answers must be the target's own greedy output
-(`plain_answers`) in the precision the drafter is evaluated in; a draft past an answer's EOS counts as rejected.
+(`plain_answers`) in the precision the drafter is evaluated in. The runtime counts as vLLM does, drafting k tokens
+on a request's last step too and counting drafts accepted past max_new_tokens; for the simulation to see those,
+`plain_answers(..., lookahead=K)` also records the target's next K greedy tokens after each answer (EOS or not).
+Without them a draft past an answer's end counts as rejected.
 
 The same holds in distribution for speculative *sampling* with greedy (one-hot) drafts, vLLM's default
 `draft_sample_method`: accepting draft d with probability p(d) and otherwise sampling from norm(max(0, p - 1_d))
@@ -27,18 +30,25 @@ from draftsmith.inference.metrics import SpecDecodingMetrics
 
 @torch.no_grad()
 def plain_answers(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: set[int],
-                  temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+                  temperature: float = 0.0, seed: int = 0, lookahead: int = 0):
     """The target's plain answers (generated tokens, EOS kept), as the runtime's plain decoding gives them: greedy,
-    or sampled at `temperature` with seed `seed + i` for prompt i."""
+    or sampled at `temperature` with seed `seed + i` for prompt i. With `lookahead` (greedy only), also each
+    answer followed by the target's next `lookahead` greedy tokens, past an EOS too: (answers, extended)."""
     from draftsmith.inference.generator import SpeculativeGenerator
     from draftsmith.inference.sampling import SamplingParams
 
+    if lookahead and temperature > 0:
+        raise ValueError("plain_answers: lookahead is defined for greedy answers only")
     plain = SpeculativeGenerator(target, None, 0)
-    answers = []
+    answers, extended = [], []
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(temperature=temperature, seed=seed + i) if temperature > 0 else None
-        answers.append(plain.generate(torch.tensor([prompt]), max_new_tokens, eos_ids, sampling).token_ids)
-    return answers
+        answer = plain.generate(torch.tensor([prompt]), max_new_tokens, eos_ids, sampling).token_ids
+        answers.append(answer)
+        if lookahead:  # greedy: the same tokens again, then the continuation an EOS would have stopped
+            longer = plain.generate(torch.tensor([prompt]), len(answer) + lookahead, set()).token_ids
+            extended.append(longer)
+    return (answers, extended) if lookahead else answers
 
 
 @torch.no_grad()
@@ -60,36 +70,36 @@ def chain_correctness(target, drafter, prompt: Sequence[int], answer: Sequence[i
     return correct
 
 
-def replay_chains(correct: torch.Tensor, prompt_length: int, answer_length: int, k: int,
-                  max_new_tokens: int) -> SpecDecodingMetrics:
-    """The generator's step rule (generator.py) on known chain correctness: draft min(k, room - 1) tokens from the
-    last committed token, accept the leading correct ones, commit them and the bonus token, until the answer
-    ends (EOS or max_new_tokens)."""
+def replay_chains(correct: torch.Tensor, prompt_length: int, answer_length: int, k: int) -> SpecDecodingMetrics:
+    """The generator's step rule (generator.py, vLLM's) on known chain correctness: draft k tokens from the last
+    committed token, accept the leading correct ones (counted also where they pass the answer's end), commit them
+    and the bonus token, until the answer (EOS or max_new_tokens) is complete."""
     metrics = SpecDecodingMetrics(num_spec_tokens=k)
     correct = correct.cpu()
     generated = 1  # the prefill's token
     while generated < answer_length:
-        drafts = min(k, max_new_tokens - generated - 1)
+        t = prompt_length + generated - 2  # drafter position of the last committed token
         accepted = 0
-        if drafts > 0:
-            t = prompt_length + generated - 2  # drafter position of the last committed token
-            while accepted < drafts and bool(correct[accepted, t]):
-                accepted += 1
-            metrics.observe_draft(drafts, accepted)
+        while accepted < k and t < correct.shape[1] and bool(correct[accepted, t]):
+            accepted += 1
+        metrics.observe_draft(k, accepted)
         generated += accepted + 1
     return metrics
 
 
 def simulate_greedy_chains(target, drafter, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-                           ks: Sequence[int], max_new_tokens: int) -> dict[int, SpecDecodingMetrics]:
+                           ks: Sequence[int], extended: Sequence[Sequence[int]] | None = None
+                           ) -> dict[int, SpecDecodingMetrics]:
     """{k: counters summed over the prompts} of greedy-drafted EAGLE-3 chains of length k, as `SpeculativeGenerator`
-    would count them when decoding `prompts` into `answers` (greedy answers: exactly; sampled ones: in law)."""
+    would count them when decoding `prompts` into `answers` (greedy answers: exactly, given `extended` with a
+    lookahead of max(ks) from `plain_answers`; sampled ones: in law)."""
     depth = max(ks)
     totals = {k: SpecDecodingMetrics(num_spec_tokens=k) for k in ks}
-    for prompt, answer in zip(prompts, answers):
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
         if not answer:
             continue
-        correct = chain_correctness(target, drafter, prompt, answer, depth)
+        text = extended[i] if extended is not None else answer
+        correct = chain_correctness(target, drafter, prompt, text, depth)
         for k in ks:
-            totals[k] = totals[k].merge(replay_chains(correct, len(prompt), len(answer), k, max_new_tokens))
+            totals[k] = totals[k].merge(replay_chains(correct, len(prompt), len(answer), k))
     return totals

@@ -161,6 +161,7 @@ class SuffixProposer:
 
     aux_layer_ids = None
     extends_on_host = True  # the runtime hands extend() host token ids (Proposer)
+    extends_finished_rows = True  # a request's last tokens reach the global tree too, as vLLM feeds it
 
     def __init__(
         self,

@@ -147,17 +147,13 @@ def _rank_order(scores: Tensor) -> Tensor:
 
 
 def dynamic_tree(root_logprobs: Tensor, expand: ExpandFn, depth: int, top_k: int, num_nodes: int,
-                 max_depth: int | None = None, row_depths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 max_depth: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """EAGLE-2 expansion and rerank (see the module docstring).
 
     root_logprobs (B, V_d): the draft's log-probs after the last committed token. `max_depth` caps `depth`
     (generation nearly done). Returns (token_ids, parents, scores), each (B, num_nodes'): draft-vocab ids in
     topological order, parent indices (ROOT_PARENT for first-level nodes), and each node's own log-prob given
     its parent. num_nodes' = min(num_nodes, nodes generated).
-
-    `row_depths` (B,) caps the depth per row (a batch's rows nearer their end than others): the rerank then
-    chooses each row's nodes among its allowed levels only, the tree it would get alone; nodes past a row's cap
-    come last (`nodes_within_depth` counts the rest) and must be treated as invalid.
     """
     depth = min(depth, max_depth) if max_depth is not None else depth
     batch = root_logprobs.shape[0]
@@ -189,10 +185,6 @@ def dynamic_tree(root_logprobs: Tensor, expand: ExpandFn, depth: int, top_k: int
 
     cum, lp, tok, parent = (torch.cat(x, dim=1) for x in (pool_cum, pool_lp, pool_tok, pool_parent))
     keep = min(num_nodes, pool_size)
-    if row_depths is not None:  # level of every pool node: k at level 1, then k*k per level
-        level = torch.cat([torch.ones(k, dtype=torch.long, device=device),
-                           torch.arange(2, depth + 1, device=device).repeat_interleave(k * k)])  # (P,)
-        cum = cum.masked_fill(level[None, :] > row_depths[:, None], float("-inf"))
     chosen = _rank_order(cum)[:, :keep].sort(dim=-1).values  # (B, n) pool indices, topological order
     # Parent pool index -> position among the chosen nodes; the chosen set is ancestor-closed (see docstring).
     position = torch.full((batch, pool_size), ROOT_PARENT, dtype=torch.long, device=device)
@@ -201,12 +193,6 @@ def dynamic_tree(root_logprobs: Tensor, expand: ExpandFn, depth: int, top_k: int
     parents = torch.where(chosen_parent == ROOT_PARENT, chosen_parent,
                           position.gather(1, chosen_parent.clamp_min(0)))
     return tok.gather(1, chosen), parents, lp.gather(1, chosen)
-
-
-def nodes_within_depth(row_depths: Tensor, depth: int, top_k: int, num_nodes: int) -> Tensor:
-    """(B,) how many of a dynamic tree's nodes lie within each row's depth cap: they come first (pool order)."""
-    within = top_k + (row_depths.clamp(1, depth) - 1) * top_k * top_k  # pool nodes at levels <= the cap
-    return within.clamp_max(num_nodes)
 
 
 def static_tree(root_logprobs: Tensor, expand: ExpandFn, paths: Sequence[tuple[int, ...]],

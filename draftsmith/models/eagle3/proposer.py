@@ -23,8 +23,7 @@ from torch import Tensor
 from draftsmith import device as dev
 from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
 from draftsmith.inference.sampling import Sampler
-from draftsmith.inference.tree import (causal_mask, dynamic_tree, nodes_within_depth, parse_token_tree, static_tree,
-                                      step_attention_mask)
+from draftsmith.inference.tree import causal_mask, dynamic_tree, parse_token_tree, static_tree, step_attention_mask
 from draftsmith.models.eagle3.io import load_drafter
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.target import KVCache
@@ -169,19 +168,14 @@ class Eagle3Proposer:
         return self.drafter.step_static(embeds, self.drafter.fuse(aux_hidden), self.cache, positions)
 
     # ---- drafting -----------------------------------------------------------------------------------------
-    @property
-    def bounds_depth_per_row(self) -> bool:
-        """A dynamic tree's rerank depends on the depth bound, so in a batch each row gets its own (Proposer)."""
-        return self.dynamic_tree is not None
-
     @torch.no_grad()
-    def propose(self, num_tokens: int, row_depths: list[int] | None = None) -> Proposal:
+    def propose(self, num_tokens: int) -> Proposal:
         batch = self.next_hidden.shape[0]
         if num_tokens <= 0:
             return Proposal.empty(batch, self.device)
         self.cache.rollback(self.committed)  # a repeated propose replaces the previous drafts
         if self.token_tree is not None or self.dynamic_tree is not None:
-            return self._propose_tree(num_tokens, row_depths)
+            return self._propose_tree(num_tokens)
         self._ensure_capacity(self.committed + num_tokens)
         sampled = self.draft_sample_method == "probabilistic" and self.sampler is not None
         # sampled drafts race on Exp(1) draws made here, one (B, V_d) per step: the graphed chain cannot draw them
@@ -248,14 +242,10 @@ class Eagle3Proposer:
         return Proposal(token_ids=outputs[0].clone(), lengths=lengths, scores=outputs[1].clone(),
                         draft_probs=outputs[2].clone() if race is not None else None)
 
-    def _propose_tree(self, max_depth: int, row_depths: list[int] | None = None) -> Proposal:
-        """Static or dynamic tree of at most `max_depth` levels (`row_depths`: per row, for a dynamic tree in a
-        batch); see tree.py. One request on CUDA replays the whole tree (every expansion, the top-k ranking and
-        the rerank) as one CUDA graph per depth."""
+    def _propose_tree(self, max_depth: int) -> Proposal:
+        """Static or dynamic tree of at most `max_depth` levels; see tree.py. One request on CUDA replays the
+        whole tree (every expansion, the top-k ranking and the rerank) as one CUDA graph per depth."""
         batch = self.next_hidden.shape[0]
-        bounds = None
-        if row_depths is not None and self.dynamic_tree is not None and min(row_depths) < max_depth:
-            bounds = torch.tensor(row_depths, device=self.device)  # (B,)
         if self._graphs_on and batch == 1 and not self.ragged:
             self._ensure_capacity(self.committed + self._max_tree_slots() + 1)
             start = torch.full((1, 1), self.committed, dtype=torch.long, device=self.device)
@@ -269,12 +259,8 @@ class Eagle3Proposer:
             tokens, parents, scores = (t.clone() for t in self._graphs.run(key, record, self.next_hidden, start))
             self.cache.length = self.committed + self._tree_slots[key]  # the expanded nodes, as eager leaves them
         else:
-            tokens, parents, scores, _ = self._tree(self.next_hidden, self._eager_level, max_depth, bounds)
+            tokens, parents, scores, _ = self._tree(self.next_hidden, self._eager_level, max_depth)
         lengths = torch.full((batch,), tokens.shape[1], dtype=torch.long, device=self.device)
-        if bounds is not None:  # the nodes past a row's own bound come last: not that row's drafts
-            dynamic = self.dynamic_tree
-            lengths = torch.minimum(lengths, nodes_within_depth(bounds, min(dynamic["depth"], max_depth),
-                                                                dynamic["top_k"], self.num_nodes))
         if self.token_tree is not None:
             depth = max(len(path) for path in self.token_tree)
         else:
@@ -288,7 +274,7 @@ class Eagle3Proposer:
             return len(self.token_tree)
         return max(self.dynamic_tree["depth"] - 1, 0) * self.dynamic_tree["top_k"]
 
-    def _tree(self, root_hidden: Tensor, run_level, max_depth: int, row_depths: Tensor | None = None):
+    def _tree(self, root_hidden: Tensor, run_level, max_depth: int):
         """Draft a tree from `root_hidden` (B, 1, H). `run_level(embeds, parent_hidden, tree_rows, depth)` runs
         one drafter step over a level of m nodes whose `tree_rows` (B, m, E+m) mark, over the E nodes expanded
         before and the level itself, what each node attends to besides the committed context. Returns target
@@ -338,8 +324,7 @@ class Eagle3Proposer:
             tokens, parents, scores = static_tree(root, expand, self.token_tree, max_depth=max_depth)
         else:
             tokens, parents, scores = dynamic_tree(root, expand, self.dynamic_tree["depth"],
-                                                   self.dynamic_tree["top_k"], self.num_nodes, max_depth=max_depth,
-                                                   row_depths=row_depths)
+                                                   self.dynamic_tree["top_k"], self.num_nodes, max_depth=max_depth)
         return self.drafter.draft_to_target(tokens), parents, scores, state["ancestors"].shape[1]
 
     def _eager_level(self, embeds, parent_hidden, tree_rows, depth):
