@@ -148,6 +148,11 @@ class TrainingConfig(BaseModel):
     # samples; None = batch_size samples.
     tokens_per_step: int | None = Field(None, ge=16)
     time_probe_steps: int = Field(10, ge=3)  # with max_minutes: steps timed (at lr 0) to plan the schedule
+    # EAGLE-3 memory: TTT attention computes this many queries at a time and recomputes them in the backward pass
+    # (no S x S scores are kept; shorter sequences take one block), and the loss reads the head's logits this many
+    # positions at a time (no step's (B, S, V_d) logits are kept). Neither changes the result.
+    ttt_query_block: int = Field(1024, ge=16)
+    loss_chunk_size: int = Field(1024, ge=16)
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(200, ge=1)

@@ -103,6 +103,62 @@ def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, dec
     return total, metrics
 
 
+def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
+    """Loss sum and correctness over one chunk of positions: hidden (c, H), teacher (c, V_d), valid (c,)."""
+    logits = logits_fn(hidden)  # (c, V_d)
+    per_pos = position_loss(logits, teacher, kind, lk_eta)  # (c,)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == teacher.argmax(-1)) & valid & torch.isfinite(logits).all(-1)
+    return torch.where(valid, per_pos, 0.0).sum(), correct
+
+
+def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
+                   kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
+                   chunk_size: int = 1024):
+    """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
+
+    Positions are flattened to B*S rows and read `chunk_size` at a time; each chunk's logits, float32 softmaxes and
+    loss are recomputed in the backward pass (activation checkpointing). Step i's teacher for flattened row r is
+    teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it would cross into the next
+    sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so every chunk's teacher is a
+    contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
+    """
+    b, s, _ = step_hidden[0].shape
+    rows = b * s
+    teacher = teacher_draft_logits.reshape(rows, -1)  # (B*S, V_d), a view
+    total = 0.0
+    metrics: dict[str, torch.Tensor] = {}
+    correct_steps, valid_steps = [], []
+    for i, hidden in enumerate(step_hidden):
+        valid = shift_left(loss_mask.bool(), 2 + i, False)  # (B, S)
+        if mask_outside_draft_vocab:
+            valid = valid & shift_left(teacher_in_draft, 1 + i, False)
+        flat_hidden, flat_valid = hidden.reshape(rows, -1), valid.reshape(rows)
+        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+        for start in range(0, max(rows - 1 - i, 0), chunk_size):
+            end = min(start + chunk_size, rows - 1 - i)  # row r needs teacher row r + 1 + i < B*S
+            args = (flat_hidden[start:end], teacher[start + 1 + i:end + 1 + i], flat_valid[start:end], logits_fn,
+                    kind, lk_eta)
+            if torch.is_grad_enabled() and flat_hidden.requires_grad:
+                part_loss, part_correct = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            else:
+                part_loss, part_correct = _chunk_loss(*args)
+            loss_sum = loss_sum + part_loss
+            correct[start:end] = part_correct
+        count = valid.sum()
+        step_loss = loss_sum / count.clamp(min=1)
+        total = total + (decay ** i) * step_loss
+        correct = correct.view(b, s)
+        correct_steps.append(correct)
+        valid_steps.append(valid)
+        metrics[f"loss_{i}"] = step_loss.detach()
+        metrics[f"acc_{i}"] = correct.sum() / count.clamp(min=1)
+        metrics[f"count_{i}"] = count
+    metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid_steps[0])
+    return total, metrics
+
+
 def checkpointed_row_chunks(fn, rows: tuple[torch.Tensor, ...], *args, chunk_size: int) -> list:
     """`fn(*row_chunks, *args)` over `chunk_size` rows at a time of every tensor in `rows`, recomputed in the backward
     pass (activation checkpointing) when the rows need gradients, so only one chunk's (chunk, V) logits are ever

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draftsmith.kernels.ttt_attention import DEFAULT_QUERY_BLOCK, ttt_attention
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.target import KVCache, attend
 
@@ -100,6 +101,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+        self.query_block = DEFAULT_QUERY_BLOCK  # training: TTT attention queries per block (not saved)
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -133,13 +135,17 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     # ---- training: training-time test (TTT) -----------------------------------------------------
-    def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None):
-        """Unroll `num_steps` draft steps over a whole sequence at once; returns per-step logits.
+    def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None, return_hidden: bool = False,
+                    query_block: int = DEFAULT_QUERY_BLOCK):
+        """Unroll `num_steps` draft steps over a whole sequence at once; returns per-step logits (B, S, V_d), or with
+        `return_hidden` the per-step output hidden states (B, S, H) that `logits` reads (the fused loss does so a
+        chunk of positions at a time, so the logits of a whole step never exist).
 
         aux_hidden (B, S, n*H_t): g_t; token_embeds (B, S, H): embed(x_t) of the whole sequence.
         Step i at position t takes embed(x_{t+1+i}) and, for i > 0, the drafter's own output hidden of step i-1
         at t, sits at position t+i, and predicts x_{t+2+i}. Its query attends causally to the step-0 keys and to
-        the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6).
+        the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6; kernels/ttt_attention.py
+        computes it `query_block` queries at a time, so no S x S scores are kept).
         Positions whose input token lies past the end get zero embeddings; the loss masks them.
         """
         b, s, _ = token_embeds.shape
@@ -148,12 +154,11 @@ class Eagle3Drafter(nn.Module):
         attn = self.midlayer.self_attn
         scale = attn.head_dim ** -0.5
         groups = attn.num_heads // attn.num_kv_heads
-        causal = torch.ones(s, s, dtype=torch.bool, device=token_embeds.device).tril()  # (S, S)
 
         hidden = self.fuse(aux_hidden)  # (B, S, H)
         keys0 = values0 = None
         diag_keys, diag_values = [], []  # steps 1..i, each (B, h, S, hd)
-        step_logits = []
+        outputs = []
         for i in range(num_steps):
             embeds = torch.zeros_like(token_embeds)
             embeds[:, : max(s - 1 - i, 0)] = token_embeds[:, 1 + i:]  # embed(x_{t+1+i})
@@ -166,20 +171,22 @@ class Eagle3Drafter(nn.Module):
             else:
                 diag_keys.append(k)
                 diag_values.append(v)
-            scores = (q @ keys0.transpose(-1, -2)) * scale  # (B, h, S, S)
-            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-            diag = [((q * dk).sum(-1, keepdim=True) * scale) for dk in diag_keys]  # each (B, h, S, 1)
-            probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-            out = probs[..., :s] @ values0  # (B, h, S, hd)
-            for j, dv in enumerate(diag_values):
-                out = out + probs[..., s + j: s + j + 1] * dv
+            out = ttt_attention(q, keys0, values0, diag_keys, diag_values, scale, query_block)  # (B, h, S, hd)
             hidden = self.output_hidden(self.midlayer.finish(out, hidden))  # (B, S, H), input hidden of step i+1
-            step_logits.append(self.logits(hidden))
-        return step_logits
+            outputs.append(hidden if return_hidden else self.logits(hidden))
+        return outputs
 
-    def forward(self, aux_hidden, token_embeds, num_steps: int):
-        """Training forward (what DDP/FSDP wrap): the TTT unroll."""
-        return self.forward_ttt(aux_hidden, token_embeds, num_steps)
+    def forward(self, aux_hidden, token_embeds, num_steps: int, loss_targets: dict | None = None):
+        """Training forward (what DDP/FSDP/DeepSpeed wrap): the TTT unroll, and with `loss_targets` (the keyword
+        arguments of `eagle3.loss.fused_ttt_loss` but the first two) its loss, computed here so that sharded
+        wrappers see the head used inside their forward. Returns step logits, or (loss, metrics)."""
+        if loss_targets is None:
+            return self.forward_ttt(aux_hidden, token_embeds, num_steps)
+        from draftsmith.models.eagle3.loss import fused_ttt_loss
+
+        step_hidden = self.forward_ttt(aux_hidden, token_embeds, num_steps, return_hidden=True,
+                                       query_block=self.query_block)
+        return fused_ttt_loss(self.logits, step_hidden, **loss_targets)
 
     # ---- runtime: cached steps ---------------------------------------------------------------------
     def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:

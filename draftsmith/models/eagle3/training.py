@@ -6,7 +6,7 @@ import torch
 
 from draftsmith.config import draft_vocab_size_for
 from draftsmith.models.eagle3.config import Eagle3Config
-from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
+from draftsmith.models.eagle3.loss import teacher_targets
 from draftsmith.models.eagle3.model import Eagle3Drafter, init_drafter_from_target
 from draftsmith.models.target import TargetModel
 
@@ -19,7 +19,9 @@ class Eagle3Method:
         training = recipe.training
         self.ttt_steps = training.ttt_steps
         self.loss_options = dict(decay=training.ttt_decay, kind=training.loss, lk_eta=training.lk_eta,
-                                 mask_outside_draft_vocab=training.mask_outside_draft_vocab)
+                                 mask_outside_draft_vocab=training.mask_outside_draft_vocab,
+                                 chunk_size=training.loss_chunk_size)
+        self.query_block = training.ttt_query_block
         self.config = Eagle3Config.from_target(
             target.config, draft_vocab_size_for(recipe.model, target.vocab_size), recipe.model.aux_layer_ids,
             target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
@@ -33,6 +35,7 @@ class Eagle3Method:
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
         """An fp32 drafter (master weights) with the draft vocab and the head started from the target's rows."""
         drafter = Eagle3Drafter(self.config).to(self.target.device)
+        drafter.query_block = self.query_block
         drafter.set_draft_vocab(d2t.to(self.target.device), t2d.to(self.target.device))
         init_drafter_from_target(drafter, self.target.lm_head.weight.float())
         return drafter
@@ -46,8 +49,9 @@ class Eagle3Method:
                                             draft_ids=draft_ids)
         with torch.no_grad():
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
-        step_logits = drafter(captured.aux_hidden, token_embeds, self.ttt_steps)
-        return ttt_loss(step_logits, teacher, in_draft, batch["loss_mask"], **self.loss_options)
+        targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=batch["loss_mask"],
+                       **self.loss_options)
+        return drafter(captured.aux_hidden, token_embeds, self.ttt_steps, loss_targets=targets)
 
 
 def _unwrap(module):

@@ -1,0 +1,57 @@
+"""EAGLE-3 training-time-test (TTT) attention, with memory that grows linearly in the sequence length.
+
+Step i's query at position t attends causally to the step-0 keys (positions 0..t) and to the key at its own
+position t of every earlier step 1..i (the "diagonal" of EAGLE-3's Fig. 6), in one softmax:
+
+    scores(t) = [q_t . k0_u * scale for u <= t]  ++  [q_t . kj_t * scale for j = 1..i]
+
+`ttt_attention_reference` is the definition: (B, h, S, S) scores, a float32 softmax, all of it kept for the
+backward pass, so a TTT-7 step holds seven S x S score tensors. `ttt_attention` computes the same thing a block of
+queries at a time, each block against only the keys it can see (queries < b see keys < b, which also skips the
+masked half of the work), under activation checkpointing: the backward pass recomputes one block's scores at a
+time instead of keeping them, so no S x S tensor ever exists. Sequences of at most `query_block` positions take
+the reference path unchanged (nothing recomputed). Plain torch: the same code runs on CUDA, ROCm, NPU and CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_QUERY_BLOCK = 1024  # queries per block: scores of (B, h, 1024, <=S) at a time
+
+
+def _attend(q, keys0, values0, diag_keys, diag_values, scale: float, offset: int):
+    """Attention of queries at positions offset .. offset+c-1 (q: (B, h, c, hd)) over step-0 keys 0..offset+c-1
+    (keys0: (B, h, offset+c, hd)) and their own diagonal keys (each (B, h, c, hd)). Returns (B, h, c, hd)."""
+    c, n = q.shape[-2], keys0.shape[-2]
+    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset, offset + c, device=q.device)[:, None]
+    scores = (q @ keys0.transpose(-1, -2)) * scale  # (B, h, c, n)
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_keys]  # each (B, h, c, 1)
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :n] @ values0  # (B, h, c, hd)
+    for j, dv in enumerate(diag_values):
+        out = out + probs[..., n + j: n + j + 1] * dv
+    return out
+
+
+def ttt_attention_reference(q, keys0, values0, diag_keys, diag_values, scale: float):
+    """The definition. q, keys0, values0: (B, h, S, hd) (keys already repeated to h heads); diag_keys and
+    diag_values: lists of (B, h, S, hd), one per earlier step 1..i. Returns (B, h, S, hd)."""
+    return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0)
+
+
+def ttt_attention(q, keys0, values0, diag_keys, diag_values, scale: float, query_block: int = DEFAULT_QUERY_BLOCK):
+    """`ttt_attention_reference`, `query_block` queries at a time, recomputed in the backward pass (see module)."""
+    s = q.shape[-2]
+    if s <= query_block:
+        return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0)
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys0, values0, *diag_keys))
+    blocks = []
+    for start in range(0, s, query_block):
+        end = min(start + query_block, s)
+        args = (q[:, :, start:end], keys0[:, :, :end], values0[:, :, :end],
+                [dk[:, :, start:end] for dk in diag_keys], [dv[:, :, start:end] for dv in diag_values], scale, start)
+        blocks.append(checkpoint(_attend, *args, use_reentrant=False) if recompute else _attend(*args))
+    return torch.cat(blocks, dim=2)

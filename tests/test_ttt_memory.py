@@ -1,0 +1,139 @@
+"""EAGLE-3 training memory: blocked TTT attention and the fused chunked loss equal their references (values,
+gradients, metrics) and keep no S x S scores and no whole-step (B, S, V_d) logits for the backward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.kernels.ttt_attention import ttt_attention, ttt_attention_reference
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.loss import fused_ttt_loss, teacher_targets, ttt_loss
+from draftsmith.models.eagle3.model import Eagle3Drafter
+
+
+def attention_inputs(b=2, h=4, s=37, hd=8, steps=3, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+
+    def t():
+        return torch.randn(b, h, s, hd, generator=g).to(dtype).requires_grad_()
+
+    return t(), t(), t(), [t() for _ in range(steps)], [t() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("block", [1, 8, 16, 36, 37, 64])
+def test_blocked_ttt_attention_equals_the_reference_in_values_and_gradients(block):
+    q, k0, v0, dks, dvs = attention_inputs()
+    scale = 8 ** -0.5
+    expected = ttt_attention_reference(q, k0, v0, dks, dvs, scale)
+    leaves = [q, k0, v0, *dks, *dvs]
+    weights = torch.randn_like(expected)
+    want = torch.autograd.grad((expected * weights).sum(), leaves)
+    got_out = ttt_attention(q, k0, v0, dks, dvs, scale, query_block=block)
+    got = torch.autograd.grad((got_out * weights).sum(), leaves)
+    torch.testing.assert_close(got_out, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_ttt_attention_in_bf16_stays_within_bf16_tolerance():
+    q, k0, v0, dks, dvs = attention_inputs(dtype=torch.bfloat16)
+    expected = ttt_attention_reference(q, k0, v0, dks, dvs, 0.35).float()
+    got = ttt_attention(q, k0, v0, dks, dvs, 0.35, query_block=8).float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def saved_shapes(fn):
+    """Shapes of every tensor autograd saves for the backward pass while `fn` runs."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, shapes
+
+
+def test_blocked_ttt_attention_keeps_no_s_by_s_scores_for_the_backward_pass():
+    s = 64
+    q, k0, v0, dks, dvs = attention_inputs(s=s)
+    _, reference = saved_shapes(lambda: ttt_attention_reference(q, k0, v0, dks, dvs, 0.3))
+    _, blocked = saved_shapes(lambda: ttt_attention(q, k0, v0, dks, dvs, 0.3, query_block=16))
+    assert any(shape[-2:] == (s, s + 3) for shape in reference)  # the reference keeps its (S, S + steps) probs
+    assert max((torch.Size(x).numel() for x in blocked), default=0) <= 2 * 4 * s * 8  # inputs (B, h, S, hd) only
+
+
+def tiny_drafter(seed=0, vocab=50, draft_vocab=24, **flags):
+    config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=32,
+                          num_target_layers=4, aux_layer_ids=[0, 1, 2], max_position_embeddings=256, **flags)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(config)
+    for p in drafter.parameters():  # away from init so every path carries signal
+        p.data.add_(0.02 * torch.randn_like(p))
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values] = True
+    d2t = t2d.nonzero().flatten() - torch.arange(draft_vocab)
+    drafter.set_draft_vocab(d2t, t2d)
+    return drafter
+
+
+def ttt_batch(b=3, s=29, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(b, s, 96, generator=g)
+    embeds = torch.randn(b, s, 32, generator=g)
+    last_hidden = torch.randn(b, s, 32, generator=g)
+    head = torch.nn.Linear(32, 50, bias=False)
+    torch.nn.init.normal_(head.weight, generator=g)
+    loss_mask = torch.ones(b, s, dtype=torch.long)
+    loss_mask[0, :5] = 0  # a prompt
+    loss_mask[1, 20:] = 0  # right padding
+    loss_mask[2, :] = 0
+    loss_mask[2, 10:15] = 1
+    return aux, embeds, last_hidden, head, loss_mask
+
+
+@pytest.mark.parametrize("kind, mask_outside, chunk", [("soft_ce", True, 7), ("soft_ce", False, 1000),
+                                                       ("lk", True, 13), ("soft_ce", True, 1)])
+def test_fused_loss_equals_the_loss_of_whole_step_logits(kind, mask_outside, chunk):
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=True)
+    aux, embeds, last_hidden, head, loss_mask = ttt_batch()
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    options = dict(decay=0.7, kind=kind, lk_eta=2.0, mask_outside_draft_vocab=mask_outside)
+
+    logits = drafter.forward_ttt(aux, embeds, 4)
+    with torch.no_grad():  # the teacher agrees with the drafter's first step at every other position
+        agree = torch.zeros_like(teacher)
+        agree[:, 1:] = 30.0 * torch.nn.functional.one_hot(logits[0][:, :-1].argmax(-1), teacher.shape[-1])
+        agree[:, ::2] = 0.0
+        teacher = teacher + agree
+        in_draft = in_draft | (agree.amax(-1) > 0)
+    want_loss, want_metrics = ttt_loss(logits, teacher, in_draft, loss_mask, **options)
+    want_grads = torch.autograd.grad(want_loss, list(drafter.parameters()))
+
+    got_loss, got_metrics = drafter(aux, embeds, 4, loss_targets=dict(
+        teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=chunk, **options))
+    got_grads = torch.autograd.grad(got_loss, list(drafter.parameters()))
+
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got_metrics.keys() == want_metrics.keys()
+    for key in want_metrics:
+        torch.testing.assert_close(got_metrics[key].float(), want_metrics[key].float(), rtol=1e-5, atol=1e-6)
+    assert want_metrics["acc_0"] > 0  # the comparison covers correct positions, not only wrong ones
+    for name, a, b in zip([n for n, _ in drafter.named_parameters()], got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_forward_keeps_no_whole_step_logits_and_no_s_by_s_scores():
+    drafter = tiny_drafter()
+    drafter.query_block = 8
+    aux, embeds, last_hidden, head, loss_mask = ttt_batch(s=40)
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=16)
+    (loss, _), shapes = saved_shapes(lambda: drafter(aux, embeds, 3, loss_targets=targets))
+    loss.backward()
+    assert not any(len(shape) >= 2 and (shape[-2:] == (40, 40) or shape[-1] == 40 + 2) for shape in shapes)  # no (S, S [+ steps]) probs
+    assert not any(shape and shape[-1] == 24 and torch.Size(shape).numel() > 16 * 24 for shape in shapes)  # logits: a chunk
+    assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
