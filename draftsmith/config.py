@@ -153,7 +153,15 @@ class TrainingConfig(BaseModel):
     # positions at a time (no step's (B, S, V_d) logits are kept). Neither changes the result.
     ttt_query_block: int = Field(1024, ge=16)
     loss_chunk_size: int = Field(1024, ge=16)
+    # EAGLE-3 long contexts: recompute each TTT step's decoder layer in the backward pass (keeps only its inputs;
+    # about a third more drafter compute for most of its activation memory); and fuse each step's elementwise work
+    # with torch.compile (the first steps compile)
+    checkpoint_ttt_steps: bool = False
+    compile_drafter: bool = False
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    # the bf16 dense matrix rate of one device, for the MFU column of metrics.jsonl; None: a datasheet figure for
+    # the GPUs draftsmith knows (device.peak_matrix_tflops), else no MFU is logged (throughput still is)
+    peak_tflops: float | None = Field(None, gt=0)
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(200, ge=1)
     save_every: int = Field(500, ge=1)

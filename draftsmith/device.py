@@ -250,6 +250,23 @@ def device_name(device: torch.device | str) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+# Dense bf16 matrix rates from the vendors' datasheets, TFLOP/s per device (without sparsity). Leads, not
+# measurements: benchmarks measure their own ceiling; `training.peak_tflops` overrides this for MFU.
+_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
+                     "A800": 312.0, "L40S": 362.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2500.0}
+
+
+def peak_matrix_tflops(device: torch.device | str) -> float | None:
+    """The datasheet bf16 dense matrix rate of `device` in TFLOP/s, or None where draftsmith does not know it."""
+    if _accel_module(device) is None:
+        return None
+    name = device_name(device).upper().replace("-", " ")
+    for key in sorted(_PEAK_BF16_TFLOPS, key=len, reverse=True):  # GH200 before H200
+        if key in name.split() or f" {key}" in f" {name}":
+            return _PEAK_BF16_TFLOPS[key]
+    return None
+
+
 def graphs_supported(device: torch.device | str) -> bool:
     """Whether fixed-shape steps may be replayed as CUDA graphs (CUDA and ROCm; off with DRAFTSMITH_CUDA_GRAPHS=0)."""
     return _device_type(device) == "cuda" and os.environ.get("DRAFTSMITH_CUDA_GRAPHS", "1") != "0"

@@ -128,3 +128,30 @@ def test_host_to_device_queues_the_copy_behind_running_kernels():
         drained[name] = torch.cuda.current_stream().query()  # the queue had run dry when the copy returned
         assert torch.equal(copied.cpu(), src)
     assert drained == {"plain": True, "queued": False}
+
+
+def test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu():
+    """The memory-linear EAGLE-3 training path on the accelerator, under bf16 autocast as training runs it: loss and
+    gradients within bf16 tolerance of the reference path (whole S x S scores and logits), at 2 query blocks."""
+    from test_ttt_memory import teacher_targets, tiny_drafter, ttt_batch, ttt_loss
+
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=True).cuda()
+    aux, embeds, last_hidden, head, loss_mask = (x.cuda() for x in ttt_batch(s=64))
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    results = []
+    for blocked in (False, True):
+        drafter.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if blocked:
+                drafter.query_block = 32
+                loss, _ = drafter(aux, embeds, 4, loss_targets=dict(
+                    teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=50))
+            else:
+                loss, _ = ttt_loss(drafter.forward_ttt(aux, embeds, 4, query_block=64), teacher, in_draft, loss_mask)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+    (ref_loss, ref_grads), (got_loss, got_grads) = results
+    torch.testing.assert_close(got_loss, ref_loss, rtol=2e-2, atol=2e-2)
+    assert len(got_grads) == len(ref_grads)
+    for got, ref in zip(got_grads, ref_grads):
+        assert (got - ref).norm() <= 5e-2 * ref.norm() + 1e-6

@@ -71,10 +71,16 @@ def test_training_lowers_loss_and_writes_a_loadable_checkpoint(tmp_path, fixture
     from draftsmith.models.eagle3.io import load_drafter
 
     data = write_conversations(tmp_path / "conv.jsonl", n=40)
+    lines = []
     ckpt = train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=30, eval_every=30, save_every=30,
-                             grad_accum_steps=1), log=lambda *a: None)
+                             grad_accum_steps=1, peak_tflops=0.5), log=lambda *a: lines.append(" ".join(a)))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_losses = [r["loss"] for r in rows if "loss" in r]
+    # throughput in model FLOPs (train/flops.py) and MFU against training.peak_tflops, on every log row
+    assert any(line.startswith("model FLOPs at ") and "target_forward" in line and "0.5 TFLOP/s" in line
+               for line in lines)
+    logged = [r for r in rows if "loss" in r]
+    assert all(r["tflops_per_s"] > 0 and r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.5) for r in logged)
     assert sum(train_losses[-5:]) / 5 < 0.7 * sum(train_losses[:5]) / 5
     evals = [r for r in rows if "eval/loss" in r]
     # the replies repeat, so 30 steps learn them: most step-0 drafts right (2.46 and 0.93 when this was written)

@@ -137,3 +137,37 @@ def test_training_forward_keeps_no_whole_step_logits_and_no_s_by_s_scores():
     assert not any(len(shape) >= 2 and (shape[-2:] == (40, 40) or shape[-1] == 40 + 2) for shape in shapes)  # no (S, S [+ steps]) probs
     assert not any(shape and shape[-1] == 24 and torch.Size(shape).numel() > 16 * 24 for shape in shapes)  # logits: a chunk
     assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
+
+
+def fused_loss_and_grads(drafter, steps=4):
+    aux, embeds, last_hidden, head, loss_mask = ttt_batch(s=40)
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=16)
+    (loss, _), shapes = saved_shapes(lambda: drafter(aux, embeds, steps, loss_targets=targets))
+    grads = torch.autograd.grad(loss, [p for p in drafter.parameters() if p.requires_grad])
+    return loss, grads, shapes
+
+
+def test_checkpointed_ttt_steps_give_the_same_loss_and_gradients_and_keep_less():
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=True)
+    drafter.query_block = 16
+    plain_loss, plain_grads, plain_saved = fused_loss_and_grads(drafter)
+    drafter.checkpoint_steps = True
+    loss, grads, saved = fused_loss_and_grads(drafter)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    mlp_width = drafter.config.intermediate_size  # the gated MLP's (B, S, I) activations are no longer kept
+    assert any(shape and shape[-1] == mlp_width for shape in plain_saved)
+    assert not any(shape and shape[-1] == mlp_width for shape in saved)
+
+
+def test_compiled_ttt_steps_give_the_same_loss_and_gradients():
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=True)
+    drafter.query_block = 16
+    plain_loss, plain_grads, _ = fused_loss_and_grads(drafter, steps=2)
+    drafter.compile_steps(backend="aot_eager")  # the graph capture and autograd; inductor runs on the device
+    loss, grads, _ = fused_loss_and_grads(drafter, steps=2)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from draftsmith import device as dev
 from draftsmith.config import Recipe, RecipeError, draft_vocab_size_for, load_recipe, recipe_to_dict, save_recipe
+from draftsmith.train.flops import describe as describe_flops
 from draftsmith.train.health import FeatureCheck, FiniteWatch, StuckWatch
 from draftsmith.train.optim import (
     MEASURE_SKIP,
@@ -491,6 +492,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=_flat(recipe_to_dict(recipe)))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    flops_at = _flop_counter(method, lengths, cfg, accelerator.device, log)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
     stuck = StuckWatch()
 
@@ -503,6 +505,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     eval_seconds, eval_spent = 0.0, 0.0  # one evaluation's cost, and the time evaluations took since the probe
     window_tokens, window_start = 0, time.time()
     window_loss, window_micro = 0.0, 0  # mean micro-batch loss since the last log line
+    window_flops = 0.0  # model FLOPs of the tokens since the last log line (train/flops.py)
     progress = closing.enter_context(tqdm(total=planned["plan"].total, initial=state["step"], desc="train",
                                           disable=not accelerator.is_main_process))
     drafter.train()
@@ -531,6 +534,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
             n_tokens = sum(len(sample.input_ids) for sample in samples) * world  # from the host: no sync
             state["tokens_seen"] += n_tokens
             window_tokens += n_tokens
+            if flops_at is not None:
+                window_flops += flops_at(batch["input_ids"].shape[1]) * n_tokens
             if not accelerator.sync_gradients:
                 continue
             for scheduler in schedulers:
@@ -568,14 +573,21 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
             if step % cfg.log_every == 0 or stop:
                 check_health()  # its one transfer is the sync this log line makes anyway
                 now = time.time()
+                seconds = max(now - window_start, 1e-9)
                 row = {"step": step, "epoch": state["epoch"], "lr": schedulers[0].get_last_lr()[0],
                        "loss": float(window_loss) / window_micro, "grad_norm": float(grad_norm),
-                       "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                       "tokens_per_s": window_tokens / seconds,
+                       **_utilisation(window_flops / seconds, flops_at, accelerator.device, world),
                        **{f"train/{k}": float(v) for k, v in metrics.items() if not k.startswith("count_")}}
-                window_tokens, window_start = 0, now
+                window_tokens, window_start, window_flops = 0, now, 0.0
                 window_loss, window_micro = 0.0, 0
-                progress.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{row.get('train/acc_0', 0):.2f}",
-                                     tau=f"{row['train/sim_accept_len']:.2f}")
+                postfix = dict(loss=f"{row['loss']:.3f}", acc0=f"{row.get('train/acc_0', 0):.2f}",
+                               tau=f"{row['train/sim_accept_len']:.2f}")
+                if "peak_memory_gib" in row:
+                    postfix["mem"] = f"{row['peak_memory_gib']:.1f}G"
+                if "mfu" in row:
+                    postfix["mfu"] = f"{row['mfu']:.0%}"
+                progress.set_postfix(**postfix)
                 _log_row(accelerator, metrics_path, row)
                 for warning in stuck.observe(step, row["loss"], row["grad_norm"], row["lr"]):
                     log(f"warning: {warning}")
@@ -610,6 +622,41 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     log(f"done: {state['step']} steps, {state['tokens_seen']} tokens in {(time.time() - started) / 60:.1f} min; "
         f"checkpoint {final}")
     return final
+
+
+def _flop_counter(method, lengths: list[int], cfg, device, log):
+    """`flops_at(seq_len)`: model FLOP per trained token (cached per length), for methods that count them; logs the
+    count at the median sample length, term by term, and the matrix rate MFU is measured against."""
+    count = getattr(method, "flops_per_token", None)
+    if count is None:
+        return None
+    cache: dict[int, float] = {}
+
+    def flops_at(seq_len: int) -> float:
+        if seq_len not in cache:
+            cache[seq_len] = count(seq_len)["total"]
+        return cache[seq_len]
+
+    typical = sorted(lengths)[len(lengths) // 2]
+    peak = cfg.peak_tflops or dev.peak_matrix_tflops(device)
+    source = "training.peak_tflops" if cfg.peak_tflops else f"the datasheet of {dev.device_name(device)}"
+    log(f"model FLOPs at {typical} tokens: {describe_flops(count(typical))}; MFU against "
+        + (f"{peak:g} TFLOP/s ({source})" if peak else "no known matrix rate (set training.peak_tflops)"))
+    flops_at.peak_tflops = peak
+    return flops_at
+
+
+def _utilisation(flops_per_s: float, flops_at, device, world: int) -> dict:
+    """The log row's TFLOP/s, MFU (per device, against the peak) and peak allocated memory of this device."""
+    row = {}
+    if flops_at is not None:
+        row["tflops_per_s"] = flops_per_s / 1e12
+        if flops_at.peak_tflops:
+            row["mfu"] = flops_per_s / 1e12 / world / flops_at.peak_tflops
+    peak_bytes = dev.max_memory_allocated(device)
+    if peak_bytes:
+        row["peak_memory_gib"] = peak_bytes / 2**30
+    return row
 
 
 def _plan_the_budget(cfg, probe_times, started, max_steps, method, drafter, eval_samples, pad_id, accelerator,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.kernels.ttt_attention import DEFAULT_QUERY_BLOCK, ttt_attention
@@ -102,6 +103,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
         self.query_block = DEFAULT_QUERY_BLOCK  # training: TTT attention queries per block (not saved)
+        self.checkpoint_steps = False  # training: recompute each TTT step's layer in the backward pass
+        self._compiled_steps = None  # (qkv, finish) compiled by compile_steps
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -135,6 +138,38 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     # ---- training: training-time test (TTT) -----------------------------------------------------
+    def _attention_qkv(self, embeds, hidden, cos, sin):
+        """One TTT step's queries and its keys and values repeated to every query head, each (B, h, S, hd)."""
+        attn = self.midlayer.self_attn
+        groups = attn.num_heads // attn.num_kv_heads
+        q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
+        return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+    def _step_finish(self, attn_out, hidden):
+        return self.output_hidden(self.midlayer.finish(attn_out, hidden))
+
+    def compile_steps(self, backend: str = "inductor") -> None:
+        """Fuse the elementwise work around each TTT step's matrix products (norms, RoPE, residuals, the gated MLP)
+        with torch.compile (training.compile_drafter). The attention stays as kernels/ttt_attention.py has it."""
+        self._compiled_steps = (torch.compile(self._attention_qkv, backend=backend),
+                                torch.compile(self._step_finish, backend=backend))
+
+    def _ttt_step(self, embeds, hidden, cos, sin, query_block, keys0, values0, *diagonal):
+        """One unrolled draft step: returns its output hidden and its (repeated) keys and values. `diagonal` holds
+        the earlier steps' keys then values (steps 1..i-1); step 0 passes keys0 = values0 = None."""
+        qkv, finish = self._compiled_steps or (self._attention_qkv, self._step_finish)
+        q, k, v = qkv(embeds, hidden, cos, sin)
+        half = len(diagonal) // 2
+        diag_keys, diag_values = list(diagonal[:half]), list(diagonal[half:])
+        if keys0 is None:
+            keys0, values0 = k, v
+        else:
+            diag_keys.append(k)
+            diag_values.append(v)
+        scale = self.midlayer.self_attn.head_dim ** -0.5
+        out = ttt_attention(q, keys0, values0, diag_keys, diag_values, scale, query_block)  # (B, h, S, hd)
+        return finish(out, hidden), k, v
+
     def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None, return_hidden: bool = False,
                     query_block: int = DEFAULT_QUERY_BLOCK):
         """Unroll `num_steps` draft steps over a whole sequence at once; returns per-step logits (B, S, V_d), or with
@@ -151,28 +186,25 @@ class Eagle3Drafter(nn.Module):
         b, s, _ = token_embeds.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=token_embeds.device).unsqueeze(0).expand(b, -1)
-        attn = self.midlayer.self_attn
-        scale = attn.head_dim ** -0.5
-        groups = attn.num_heads // attn.num_kv_heads
-
         hidden = self.fuse(aux_hidden)  # (B, S, H)
         keys0 = values0 = None
         diag_keys, diag_values = [], []  # steps 1..i, each (B, h, S, hd)
         outputs = []
+        recompute = self.checkpoint_steps and torch.is_grad_enabled()
         for i in range(num_steps):
             embeds = torch.zeros_like(token_embeds)
             embeds[:, : max(s - 1 - i, 0)] = token_embeds[:, 1 + i:]  # embed(x_{t+1+i})
             cos, sin = self.rope(token_embeds, position_ids + i)
-            q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
-            k = k.repeat_interleave(groups, dim=1)  # (B, h, S, hd)
-            v = v.repeat_interleave(groups, dim=1)
+            args = (embeds, hidden, cos, sin, query_block, keys0, values0, *diag_keys, *diag_values)
+            if recompute:  # keeps the step's inputs only; the layer's activations are recomputed in the backward
+                hidden, k, v = checkpoint(self._ttt_step, *args, use_reentrant=False)
+            else:
+                hidden, k, v = self._ttt_step(*args)  # hidden: (B, S, H), the input hidden of step i+1
             if i == 0:
                 keys0, values0 = k, v
             else:
                 diag_keys.append(k)
                 diag_values.append(v)
-            out = ttt_attention(q, keys0, values0, diag_keys, diag_values, scale, query_block)  # (B, h, S, hd)
-            hidden = self.output_hidden(self.midlayer.finish(out, hidden))  # (B, S, H), input hidden of step i+1
             outputs.append(hidden if return_hidden else self.logits(hidden))
         return outputs
 

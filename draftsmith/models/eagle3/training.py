@@ -9,6 +9,7 @@ from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets
 from draftsmith.models.eagle3.model import Eagle3Drafter, init_drafter_from_target
 from draftsmith.models.target import TargetModel
+from draftsmith.train.flops import eagle3_flops_per_token
 
 
 class Eagle3Method:
@@ -22,6 +23,8 @@ class Eagle3Method:
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab,
                                  chunk_size=training.loss_chunk_size)
         self.query_block = training.ttt_query_block
+        self.checkpoint_steps = training.checkpoint_ttt_steps
+        self.compile_steps = training.compile_drafter
         self.config = Eagle3Config.from_target(
             target.config, draft_vocab_size_for(recipe.model, target.vocab_size), recipe.model.aux_layer_ids,
             target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
@@ -32,10 +35,17 @@ class Eagle3Method:
             else []
         self.aux_layer_ids = self.config.aux_layer_ids
 
+    def flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log."""
+        return eagle3_flops_per_token(self.target.config, self.config, seq_len, self.ttt_steps)
+
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
         """An fp32 drafter (master weights) with the draft vocab and the head started from the target's rows."""
         drafter = Eagle3Drafter(self.config).to(self.target.device)
         drafter.query_block = self.query_block
+        drafter.checkpoint_steps = self.checkpoint_steps
+        if self.compile_steps:
+            drafter.compile_steps()
         drafter.set_draft_vocab(d2t.to(self.target.device), t2d.to(self.target.device))
         init_drafter_from_target(drafter, self.target.lm_head.weight.float())
         return drafter

@@ -1,0 +1,235 @@
+"""Online drafter training for a Llama-3.1-8B-shaped target (random bf16 weights, built from config: no download):
+tokens/s, peak memory, model FLOPs per token by term and MFU, against the target's forward-only throughput at the
+same batch, all in one process.
+
+    python benchmarks/train_8b_shape.py --out train_8b_shape.json \
+        --runs "eagle3/reference:2048x4 eagle3:2048x4 eagle3/reference:2048x16 eagle3:2048x16 eagle3:8192x4 \
+                eagle3:32768x1 dflash:2048x16"
+
+A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `draftsmith train` runs (Eagle3Method.loss:
+target capture, teacher, blocked TTT attention, fused chunked loss, under bf16 autocast with fp32 master weights
+and AdamW, as accelerate's bf16 mixed precision does); `eagle3/reference` the path training took before (S x S
+scores and whole-step logits kept for the backward pass); `+ckpt` adds training.checkpoint_ttt_steps, `+compile`
+training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss. Each run trains a fresh
+drafter for --steps optimizer steps, the first --warmup untimed; a run that runs out of memory is recorded as such
+and the next one starts. MFU is counted with train/flops.py (EAGLE-3 only) against the bf16 matrix rate measured in
+the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the issue measured).
+Random weights and tokens make the losses meaningless but not the timing or the memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from draftsmith import device as dev  # noqa: E402
+from draftsmith.config import recipe_from_dict  # noqa: E402
+from draftsmith.inference.eval import run_info  # noqa: E402
+from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss  # noqa: E402
+from draftsmith.models.target import TargetModel  # noqa: E402
+from draftsmith.train.flops import eagle3_flops_per_token  # noqa: E402
+
+LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                   tie_word_embeddings=False)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=False)  # --tiny: a CPU smoke run
+ISSUE_PEAK_TFLOPS = 790.0
+
+
+def matmul_tflops(device, n: int = 8192) -> float | None:
+    """The bf16 matrix rate of this device, measured on random data (None on CPU)."""
+    if device.type == "cpu":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = dev.time_ms(lambda: a @ b, device, repeat=20)
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+FLAGS = {"ckpt": "checkpoint_ttt_steps", "compile": "compile_drafter"}  # eagle3+FLAG: training.KEY=true
+
+
+def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
+    """METHOD[+FLAG...][/reference]:SEQxBATCH -> (method, reference, flags, seq, batch)."""
+    head, shape = text.split(":")
+    seq, batch = (int(x) for x in shape.lower().split("x"))
+    head, _, variant = head.partition("/")
+    method, *flags = head.split("+")
+    if (method not in ("eagle3", "dflash") or variant not in ("", "reference") or (variant and method != "eagle3")
+            or any(f not in FLAGS for f in flags) or (flags and method != "eagle3")):
+        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][/reference]:SEQxBATCH or "
+                         "dflash:SEQxBATCH")
+    return method, variant == "reference", flags, seq, batch
+
+
+def build_method(name: str, target: TargetModel, args, flags=()):
+    from draftsmith.train.trainer import _method_class
+
+    recipe = recipe_from_dict({
+        "model": {"target": target.name_or_path, "method": name,
+                  **({"draft_vocab_size": args.draft_vocab} if name == "eagle3" else {})},
+        "data": {"path": "unused.jsonl", "max_length": 32768},
+        "training": {"ttt_steps": args.ttt_steps, "ttt_query_block": args.query_block,
+                     "loss_chunk_size": args.loss_chunk, **{FLAGS[f]: True for f in flags}},
+        "output_dir": "unused",
+        **({"dflash": {"mask_token_id": target.vocab_size - 1}} if name == "dflash" else {}),  # no tokenizer
+    })
+    method = _method_class(name)(recipe, target)
+    vocab = target.vocab_size
+    d2t = torch.zeros(args.draft_vocab, dtype=torch.long)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[: args.draft_vocab] = True
+    return method, method.build_drafter(d2t, t2d)
+
+
+def reference_loss(method, drafter, batch):
+    """The EAGLE-3 training step before blocked attention and the fused loss: whole S x S scores and logits."""
+    captured = method.target.capture(batch["input_ids"], batch["attention_mask"], method.aux_layer_ids)
+    teacher, in_draft = teacher_targets(captured.last_hidden, method.target.lm_head, drafter.t2d)
+    with torch.no_grad():
+        embeds = method.target.embed_tokens(batch["input_ids"])
+    logits = drafter.forward_ttt(captured.aux_hidden, embeds, method.ttt_steps, query_block=embeds.shape[1])
+    options = {k: v for k, v in method.loss_options.items() if k != "chunk_size"}
+    return ttt_loss(logits, teacher, in_draft, batch["loss_mask"], **options)
+
+
+def forward_only(target: TargetModel, batch, aux_layer_ids, device, repeat: int) -> float:
+    """Tokens/s of the target's capture alone (no logits, no grad) at this batch."""
+    with torch.no_grad():
+        for _ in range(2):
+            target.capture(batch["input_ids"], batch["attention_mask"], aux_layer_ids)
+        dev.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            target.capture(batch["input_ids"], batch["attention_mask"], aux_layer_ids)
+        dev.synchronize(device)
+    return repeat * batch["input_ids"].numel() / (time.perf_counter() - start)
+
+
+def one_run(target, text, args, device, measured_peak) -> dict:
+    name, reference, flags, seq, batch_size = parse_run(text)
+    result = {"run": text, "method": name, "path": "reference" if reference else "trainer",
+              "training_keys": {FLAGS[f]: True for f in flags}, "seq": seq, "batch": batch_size}
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, target.vocab_size, (batch_size, seq), generator=g).to(device),
+             "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
+             "loss_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device)}
+    method = drafter = optimizer = None
+    dev.empty_cache(device)
+    dev.reset_peak_memory_stats(device)
+    try:
+        torch.manual_seed(0)
+        method, drafter = build_method(name, target, args, flags)
+        optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=None)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type != "cpu")
+        times = []
+        for step in range(args.steps):
+            start = time.perf_counter()
+            with autocast:
+                loss, _ = reference_loss(method, drafter, batch) if reference else method.loss(drafter, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dev.synchronize(device)
+            times.append(time.perf_counter() - start)
+            print(f"  {text} step {step}: {times[-1]:.3f} s, loss {float(loss):.3f}", flush=True)
+        timed = times[args.warmup:]
+        tokens_per_s = batch_size * seq * len(timed) / sum(timed)
+        result.update(tokens_per_s=tokens_per_s, step_seconds=sum(timed) / len(timed),
+                      peak_memory_gib=dev.max_memory_allocated(device) / 2**30)
+        del loss
+        optimizer = None
+        gc.collect()
+        dev.empty_cache(device)
+        result["target_forward_only_tokens_per_s"] = forward_only(target, batch, method.aux_layer_ids, device,
+                                                                  max(2, len(timed)))
+        result["ratio_to_forward_only"] = tokens_per_s / result["target_forward_only_tokens_per_s"]
+        if name == "eagle3":
+            terms = eagle3_flops_per_token(target.config, method.config, seq, args.ttt_steps)
+            result["gflop_per_token"] = {k: v / 1e9 for k, v in terms.items()}
+            achieved = terms["total"] * tokens_per_s / 1e12
+            result["tflops_per_s"] = achieved
+            result["mfu_vs_790"] = achieved / ISSUE_PEAK_TFLOPS
+            if measured_peak:
+                result["mfu_vs_measured_matmul"] = achieved / measured_peak
+            # the bound the FLOP count allows: training tokens/s over forward-only if both ran at one rate
+            result["flop_bound_ratio_to_forward_only"] = (terms["target_forward"] / terms["total"])
+    except torch.OutOfMemoryError as e:
+        result.update(error="out of memory", message=str(e).splitlines()[0][:300],
+                      peak_memory_gib=dev.max_memory_allocated(device) / 2**30)
+    finally:
+        method = drafter = optimizer = None
+        gc.collect()
+        dev.empty_cache(device)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="eagle3/reference:2048x4 eagle3:2048x4 eagle3/reference:2048x16 eagle3:2048x16 "
+                                     "eagle3:8192x4 eagle3:32768x1 dflash:2048x16")
+    p.add_argument("--layers", type=int, default=None, help="target decoder layers (default: the shape's own)")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke run")
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--query-block", type=int, default=1024)
+    p.add_argument("--loss-chunk", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    device = dev.get_device()
+    shape = TINY if args.tiny else LLAMA_31_8B
+    if args.tiny:
+        args.draft_vocab = min(args.draft_vocab, 1024)
+    config = LlamaConfig(**{**shape, "num_hidden_layers": args.layers or shape["num_hidden_layers"]})
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    target = TargetModel(model, name_or_path=f"random-llama-3.1-8b-shape-{config.num_hidden_layers}-layers")
+    measured_peak = matmul_tflops(device)
+    report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]),
+              "target_shape": {**shape, "num_hidden_layers": config.num_hidden_layers},
+              "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab, "query_block": args.query_block,
+              "loss_chunk_size": args.loss_chunk, "steps": args.steps, "warmup_steps": args.warmup,
+              "measured_matmul_tflops": measured_peak, "issue_peak_tflops": ISSUE_PEAK_TFLOPS, "runs": []}
+    out = Path(args.out)
+
+    def save():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(out)
+
+    for text in args.runs.split():
+        report["runs"].append(one_run(target, text, args, device, measured_peak))
+        save()  # a run cut short keeps what finished
+    print(f"matmul {measured_peak or 0:.0f} TFLOP/s")
+    print(f"{'run':28} {'tok/s':>9} {'peak GiB':>9} {'fwd tok/s':>10} {'ratio':>6} {'MFU790':>7}")
+    for r in report["runs"]:
+        if "error" in r:
+            print(f"{r['run']:28} {r['error']} (peak {r['peak_memory_gib']:.1f} GiB)")
+        else:
+            print(f"{r['run']:28} {r['tokens_per_s']:9.0f} {r['peak_memory_gib']:9.1f} "
+                  f"{r['target_forward_only_tokens_per_s']:10.0f} {r['ratio_to_forward_only']:6.2f} "
+                  f"{r.get('mfu_vs_790', float('nan')):7.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Floating-point operations per trained token, by term, so the trainer can log model FLOP utilisation (MFU).
+
+Counts the matrix products the mathematics needs (2 FLOP per multiply-add), as MFU is usually defined: no
+recomputation from activation checkpointing, no masked-out attention work. Causal attention over a sequence of S
+positions averages (S + 1) / 2 keys per query. For EAGLE-3 TTT (draftsmith/models/eagle3/model.py):
+
+    target_forward   every decoder layer of the target, no logits (its head is not run in training)
+    teacher_head     the target's head on the last hidden state, over the whole vocabulary (the in-draft mask
+                     needs the full argmax; the soft targets then take the draft vocabulary's columns)
+    drafter          fc once, then per TTT step the decoder layer and the draft head, forward and backward
+                     (backward = 2 x forward, but fc's input carries no gradient: 1 x)
+
+`tests/test_flops.py` checks the count against torch's FlopCounterMode on tiny models.
+"""
+
+from __future__ import annotations
+
+
+def _attention_keys(seq_len: int, attention: str) -> float:
+    """Mean keys a query sees: causal (the useful work) or full (what an S x S implementation multiplies)."""
+    return (seq_len + 1) / 2 if attention == "causal" else float(seq_len)
+
+
+def target_forward_flops(config, seq_len: int, attention: str = "causal") -> float:
+    """Per token: the target's decoder layers (Llama-style: q, k, v, o, gated MLP) and their attention."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = config.num_key_value_heads * head_dim
+    linear = h * heads * head_dim + 2 * h * kv + heads * head_dim * h + 3 * h * config.intermediate_size
+    attn = 2 * heads * head_dim * _attention_keys(seq_len, attention)  # q.k and p.v, a multiply-add each
+    return config.num_hidden_layers * 2 * (linear + attn)
+
+
+def eagle3_flops_per_token(target_config, drafter_config, seq_len: int, ttt_steps: int,
+                           attention: str = "causal") -> dict[str, float]:
+    """FLOP per trained token of online EAGLE-3 training, by term (see the module docstring), and their total."""
+    d = drafter_config
+    h, heads, head_dim = d.hidden_size, d.num_attention_heads, d.head_dim
+    kv = d.num_key_value_heads * head_dim
+    fc = 2 * len(d.aux_layer_ids) * d.target_hidden_size * h
+    layer = 2 * (2 * h * heads * head_dim + 2 * 2 * h * kv + heads * head_dim * h + 3 * h * d.intermediate_size)
+    head = 2 * h * d.draft_vocab_size
+    steps_forward = 0.0
+    for i in range(ttt_steps):  # step i also attends to its i diagonal keys
+        steps_forward += layer + head + 2 * 2 * heads * head_dim * (_attention_keys(seq_len, attention) + i)
+    terms = {"target_forward": target_forward_flops(target_config, seq_len, attention),
+             "teacher_head": 2.0 * target_config.hidden_size * target_config.vocab_size,
+             "drafter_forward_backward": 2.0 * fc + 3.0 * steps_forward}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def describe(terms: dict[str, float]) -> str:
+    """'31.1 GFLOP/token = target_forward 14.5 + teacher_head 0.26 + ...' for the training log."""
+    parts = " + ".join(f"{name} {value / 1e9:.3g}" for name, value in terms.items() if name != "total")
+    return f"{terms['total'] / 1e9:.3g} GFLOP per token = {parts}"

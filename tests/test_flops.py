@@ -1,0 +1,87 @@
+"""The FLOP count the trainer logs MFU from equals what torch's FlopCounterMode counts on the same training step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
+from draftsmith.models.eagle3.model import Eagle3Drafter
+from draftsmith.models.target import TargetModel
+from draftsmith.train.flops import describe, eagle3_flops_per_token, target_forward_flops
+
+
+def tiny_target(**overrides):
+    config = LlamaConfig(hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96, max_position_embeddings=128, **overrides)
+    torch.manual_seed(0)
+    return TargetModel(LlamaForCausalLM(config).eval().requires_grad_(False)), config
+
+
+def counted(fn) -> int:
+    with FlopCounterMode(display=False) as mode:
+        fn()
+    return mode.get_total_flops()
+
+
+@pytest.mark.parametrize("head_dim", [None, 24])
+def test_target_forward_count_equals_flop_counter(head_dim):
+    extra = {"head_dim": head_dim} if head_dim else {}
+    target, config = tiny_target(attn_implementation="eager", **extra)
+    b, s = 2, 20
+    ids = torch.randint(0, 96, (b, s))
+    measured = counted(lambda: target.capture(ids, None, [0, 1, 2]))
+    # eager attention multiplies the whole S x S square, so compare with the "full" count
+    assert measured == pytest.approx(b * s * target_forward_flops(config, s, attention="full"), rel=1e-9)
+
+
+def test_eagle3_training_step_count_equals_flop_counter():
+    target, config = tiny_target(attn_implementation="eager")
+    drafter_config = Eagle3Config.from_target(config, 40, [0, 1, 2])
+    drafter = Eagle3Drafter(drafter_config)
+    t2d = torch.zeros(96, dtype=torch.bool)
+    t2d[:40] = True
+    drafter.set_draft_vocab(torch.zeros(40, dtype=torch.long), t2d)
+    b, s, steps = 2, 24, 3
+    ids = torch.randint(0, 96, (b, s))
+
+    def step():
+        captured = target.capture(ids, None, [0, 1, 2])
+        teacher, in_draft = teacher_targets(captured.last_hidden, target.lm_head, drafter.t2d)
+        embeds = target.embed_tokens(ids)
+        logits = drafter.forward_ttt(captured.aux_hidden, embeds, steps, query_block=s)  # no recomputation
+        loss, _ = ttt_loss(logits, teacher, in_draft, torch.ones(b, s, dtype=torch.long))
+        loss.backward()
+
+    measured = counted(step)
+    terms = eagle3_flops_per_token(config, drafter_config, s, steps, attention="full")
+    # FlopCounterMode counts matrix products only: the diagonal keys' scores and values are elementwise products
+    heads_dim = drafter_config.num_attention_heads * drafter_config.head_dim
+    diagonal = 3 * sum(2 * 2 * heads_dim * i for i in range(steps))
+    assert measured == pytest.approx(b * s * (terms["total"] - diagonal), rel=1e-9)
+    assert drafter.fc.weight.grad is not None
+
+
+def test_llama_8b_shape_matches_the_hand_count():
+    """The issue's hand count for Llama-3.1-8B at 2048 tokens, TTT 7, 32k draft vocabulary (in GFLOP)."""
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256)
+    terms = eagle3_flops_per_token(config, Eagle3Config.from_target(config, 32000, [2, 16, 29]), 2048, 7)
+    assert terms["target_forward"] / 1e9 == pytest.approx(14.5, abs=0.05)
+    assert terms["drafter_forward_backward"] / 1e9 == pytest.approx(16.3, abs=0.05)
+    assert terms["teacher_head"] == 2 * 4096 * 128256
+    assert describe(terms).startswith(f"{terms['total'] / 1e9:.3g} GFLOP per token = target_forward 14.5")
+
+
+def test_peak_matrix_rate_is_known_for_datasheet_gpus_only(monkeypatch):
+    from draftsmith import device as dev
+
+    assert dev.peak_matrix_tflops("cpu") is None
+    monkeypatch.setattr(dev, "_accel_module", lambda device: torch.cuda)
+    for name, rate in [("NVIDIA H200", 989.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                       ("AMD Instinct MI355X", 2500.0), ("NVIDIA GeForce RTX 4090", None)]:
+        monkeypatch.setattr(dev, "device_name", lambda device, name=name: name)
+        assert dev.peak_matrix_tflops("cuda") == rate, name
