@@ -43,6 +43,7 @@ STAGE2 = {
     "keep_outside_vocab": ["training.mask_outside_draft_vocab=false"],
     "lk_loss": ["training.loss=lk"],
     "linear_schedule": ["training.lr_schedule=linear"],
+    "packing": ["training.packing=true"],  # the same token budget, packed into one row: no padding computed
 }
 
 

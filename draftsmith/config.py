@@ -147,6 +147,9 @@ class TrainingConfig(BaseModel):
     # Micro-batches of similar-length samples filling this many (padded) tokens each, instead of batch_size
     # samples; None = batch_size samples.
     tokens_per_step: int | None = Field(None, ge=16)
+    # EAGLE-3: pack the samples of a micro-batch into one row of at most tokens_per_step tokens, with positions
+    # restarting and attention kept inside each sample (no padding computed at all)
+    packing: bool = False
     time_probe_steps: int = Field(10, ge=3)  # with max_minutes: steps timed (at lr 0) to plan the schedule
     # EAGLE-3 memory: TTT attention computes this many queries at a time and recomputes them in the backward pass
     # (no S x S scores are kept; shorter sequences take one block), and the loss reads the head's logits this many
@@ -273,6 +276,11 @@ class Recipe(BaseModel):
         if budget is not None and budget < self.data.max_length:
             raise ValueError(f"training.tokens_per_step ({budget}) is below data.max_length "
                              f"({self.data.max_length}): a longest sample would not fit in a step")
+        if self.training.packing and budget is None:
+            raise ValueError("training.packing needs training.tokens_per_step: the size of a packed row")
+        if self.training.packing and self.model.method != "eagle3":
+            raise ValueError(f"training.packing is implemented for EAGLE-3; model.method {self.model.method} trains "
+                             "on padded batches (set training.packing=false)")
         if self.training.loss == "lk" and self.model.method != "eagle3":
             raise ValueError(f"training.loss lk is implemented for EAGLE-3's soft targets; model.method "
                              f"{self.model.method} trains with soft_ce")

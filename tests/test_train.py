@@ -41,10 +41,14 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_resume_continues_exactly(tmp_path, fixture_target_dir, monkeypatch):
+@pytest.mark.parametrize("batching", [{}, {"packing": True, "tokens_per_step": 192}], ids=["padded", "packed"])
+def test_resume_continues_exactly(tmp_path, fixture_target_dir, monkeypatch, batching):
     data = write_conversations(tmp_path / "conv.jsonl")
     full = tmp_path / "full"
-    train(tiny_recipe(fixture_target_dir, data, full), log=lambda *a: None)
+    lines = []
+    train(tiny_recipe(fixture_target_dir, data, full, **batching), log=lambda *a: lines.append(" ".join(a)))
+    if batching:
+        assert any("micro-batches of 192 tokens packed into one row" in line for line in lines)
     expected = losses(full / "run")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
@@ -57,10 +61,10 @@ def test_resume_continues_exactly(tmp_path, fixture_target_dir, monkeypatch):
 
     monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_recipe(fixture_target_dir, data, interrupted), log=lambda *a: None)
+        train(tiny_recipe(fixture_target_dir, data, interrupted, **batching), log=lambda *a: None)
     monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
     assert sorted(losses(interrupted / "run")) == [1, 2, 3]
-    train(tiny_recipe(fixture_target_dir, data, interrupted), log=lambda *a: None)
+    train(tiny_recipe(fixture_target_dir, data, interrupted, **batching), log=lambda *a: None)
     resumed = losses(interrupted / "run")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):

@@ -11,6 +11,9 @@ queries at a time, each block against only the keys it can see (queries < b see 
 masked half of the work), under activation checkpointing: the backward pass recomputes one block's scores at a
 time instead of keeping them, so no S x S tensor ever exists. Sequences of at most `query_block` positions take
 the reference path unchanged (nothing recomputed). Plain torch: the same code runs on CUDA, ROCm, NPU and CPU.
+
+`doc_ids` (B, S), given for rows of packed samples, also hides every key of another sample (the diagonal keys sit
+at the query's own position, so they are always its own sample's).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_QUERY_BLOCK = 1024  # queries per block: scores of (B, h, 1024, <=S) at a time
 
 
-def _attend(q, keys0, values0, diag_keys, diag_values, scale: float, offset: int):
+def _attend(q, keys0, values0, diag_keys, diag_values, scale: float, offset: int, doc_q=None, doc_k=None):
     """Attention of queries at positions offset .. offset+c-1 (q: (B, h, c, hd)) over step-0 keys 0..offset+c-1
-    (keys0: (B, h, offset+c, hd)) and their own diagonal keys (each (B, h, c, hd)). Returns (B, h, c, hd)."""
+    (keys0: (B, h, offset+c, hd)) and their own diagonal keys (each (B, h, c, hd)); with doc_q (B, c) and doc_k
+    (B, offset+c), only keys of the query's own sample. Returns (B, h, c, hd)."""
     c, n = q.shape[-2], keys0.shape[-2]
     visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset, offset + c, device=q.device)[:, None]
+    if doc_q is not None:
+        visible = (visible[None] & (doc_q[:, :, None] == doc_k[:, None, :]))[:, None]  # (B, 1, c, n)
     scores = (q @ keys0.transpose(-1, -2)) * scale  # (B, h, c, n)
     scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_keys]  # each (B, h, c, 1)
@@ -36,22 +42,24 @@ def _attend(q, keys0, values0, diag_keys, diag_values, scale: float, offset: int
     return out
 
 
-def ttt_attention_reference(q, keys0, values0, diag_keys, diag_values, scale: float):
+def ttt_attention_reference(q, keys0, values0, diag_keys, diag_values, scale: float, doc_ids=None):
     """The definition. q, keys0, values0: (B, h, S, hd) (keys already repeated to h heads); diag_keys and
-    diag_values: lists of (B, h, S, hd), one per earlier step 1..i. Returns (B, h, S, hd)."""
-    return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0)
+    diag_values: lists of (B, h, S, hd), one per earlier step 1..i; doc_ids (B, S) or None. Returns (B, h, S, hd)."""
+    return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0, doc_ids, doc_ids)
 
 
-def ttt_attention(q, keys0, values0, diag_keys, diag_values, scale: float, query_block: int = DEFAULT_QUERY_BLOCK):
+def ttt_attention(q, keys0, values0, diag_keys, diag_values, scale: float, query_block: int = DEFAULT_QUERY_BLOCK,
+                  doc_ids=None):
     """`ttt_attention_reference`, `query_block` queries at a time, recomputed in the backward pass (see module)."""
     s = q.shape[-2]
     if s <= query_block:
-        return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0)
+        return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0, doc_ids, doc_ids)
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys0, values0, *diag_keys))
     blocks = []
     for start in range(0, s, query_block):
         end = min(start + query_block, s)
         args = (q[:, :, start:end], keys0[:, :, :end], values0[:, :, :end],
-                [dk[:, :, start:end] for dk in diag_keys], [dv[:, :, start:end] for dv in diag_values], scale, start)
+                [dk[:, :, start:end] for dk in diag_keys], [dv[:, :, start:end] for dv in diag_values], scale, start,
+                None if doc_ids is None else doc_ids[:, start:end], None if doc_ids is None else doc_ids[:, :end])
         blocks.append(checkpoint(_attend, *args, use_reentrant=False) if recompute else _attend(*args))
     return torch.cat(blocks, dim=2)

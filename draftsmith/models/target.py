@@ -197,8 +197,11 @@ class TargetModel:
 
     # ---- training: capture with the stock forward ----------------------------------------------
     @torch.no_grad()
-    def capture(self, input_ids, attention_mask=None, aux_layer_ids=None) -> CapturedStates:
+    def capture(self, input_ids, attention_mask=None, aux_layer_ids=None, position_ids=None) -> CapturedStates:
         """Aux features and the final-normed last hidden state, without computing any vocabulary logits.
+
+        `position_ids` restarting at 0 inside a row, with no attention_mask, mark samples packed into that row:
+        transformers then keeps each sample's attention to itself (its packed-sequence mask).
 
         Hooks record the input of each aux layer (and of the final norm for id L), so only the requested
         layers are kept, not all L+1 hidden states.
@@ -216,7 +219,8 @@ class TargetModel:
         modules = [(i, self.layers[i] if i < self.num_layers else self.final_norm) for i in set(ids)]
         handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in modules]
         try:
-            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False)
         finally:
             for h in handles:
                 h.remove()

@@ -27,12 +27,17 @@ class FeatureCheck:
         self._capture = capture
         self.rows_ok: torch.Tensor | None = None
 
-    def __call__(self, input_ids, attention_mask=None, aux_layer_ids=None):
-        states = self._capture(input_ids, attention_mask, aux_layer_ids)
+    def __call__(self, input_ids, attention_mask=None, aux_layer_ids=None, position_ids=None):
+        states = self._capture(input_ids, attention_mask, aux_layer_ids, position_ids=position_ids)
         finite = torch.isfinite(states.aux_hidden).all(-1) & torch.isfinite(states.last_hidden).all(-1)  # (B, S)
         if attention_mask is not None:
             finite = finite | (attention_mask == 0)  # padding may hold anything
-        self.rows_ok = finite.all(-1)  # (B,)
+        if position_ids is not None and attention_mask is None:  # one packed row: a flag per sample, in order
+            doc = (position_ids[0] == 0).cumsum(0) - 1  # samples start at position 0
+            per_doc = torch.ones(doc.numel(), dtype=torch.int32, device=finite.device)  # (T,) >= samples (no sync)
+            self.rows_ok = per_doc.scatter_reduce(0, doc, finite[0].int(), "amin").bool()  # CUDA: no bool scatter
+        else:
+            self.rows_ok = finite.all(-1)  # (B,)
         return states
 
     def take(self) -> torch.Tensor | None:
@@ -53,8 +58,8 @@ class FiniteWatch:
     def observe_micro_batch(self, step: int, sample_ids: list[int], rows_ok: torch.Tensor | None,
                             loss: torch.Tensor) -> None:
         loss_ok = torch.isfinite(loss.detach()).reshape(1)
-        rows = rows_ok if rows_ok is not None else torch.ones(len(sample_ids), dtype=torch.bool,
-                                                              device=loss_ok.device)
+        rows = rows_ok[:len(sample_ids)] if rows_ok is not None else torch.ones(  # a packed row's flags: (T,)
+            len(sample_ids), dtype=torch.bool, device=loss_ok.device)
         self._micro.append((step, list(sample_ids), torch.cat([rows.to(loss_ok.device), loss_ok])))
 
     def observe_step(self, step: int, grad_norm: torch.Tensor | float | None) -> None:

@@ -74,14 +74,16 @@ SORT_WINDOW = 64  # token budgets: samples are length-sorted within windows of t
 
 
 def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, rank: int, world: int,
-                  tokens_per_step: int | None = None) -> list[list[int]]:
+                  tokens_per_step: int | None = None, packing: bool = False) -> list[list[int]]:
     """Sample indices of this process's micro-batches for one epoch: shuffled by (seed, epoch), then dealt
     round-robin over processes. Every process gets the same number of batches (the tail that does not fill a
     round is dropped) so collective ops stay in step.
 
     With `tokens_per_step`, a micro-batch is as many samples as fit in that many padded tokens (rows x longest
     row): the shuffled order is cut into windows, each sorted by length and cut into such batches, whose order is
-    then shuffled again, so a step computes little padding and the batches still come in random order."""
+    then shuffled again, so a step computes little padding and the batches still come in random order. With
+    `packing`, a micro-batch is samples whose lengths add up to at most `tokens_per_step` (one packed row), each
+    window's samples placed longest first into the first row with room."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(lengths), generator=generator).tolist()
     if tokens_per_step is None:
@@ -91,6 +93,9 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, ra
         window = max(1, SORT_WINDOW * tokens_per_step // mean)
         batches = []
         for start in range(0, len(order), window):
+            if packing:
+                batches.extend(_pack_first_fit(order[start:start + window], lengths, tokens_per_step))
+                continue
             current, longest = [], 0
             for i in sorted(order[start:start + window], key=lambda j: -lengths[j]):
                 longest = max(longest, lengths[i])
@@ -103,6 +108,33 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, ra
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     per_rank = len(batches) // world
     return batches[rank:per_rank * world:world]
+
+
+def _pack_first_fit(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda j: -lengths[j]):
+        for r, left in enumerate(room):
+            if lengths[i] <= left:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(budget - lengths[i])
+    return rows
+
+
+def collate_packed(samples, device) -> dict[str, torch.Tensor]:
+    """One packed (1, T) row of the samples, T = their total length: input_ids, loss_mask, position_ids (restarting
+    at 0 in every sample: the target's attention, from transformers' packed-sequence masks, and the drafter's
+    both stay inside a sample) and doc_ids (which sample each position belongs to); no attention_mask."""
+    ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
+    mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.long)
+    positions = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
+    docs = torch.cat([torch.full((len(s.input_ids),), i) for i, s in enumerate(samples)])
+    return {"input_ids": ids[None].to(device), "attention_mask": None, "loss_mask": mask[None].to(device),
+            "position_ids": positions[None].to(device), "doc_ids": docs[None].to(device)}
 
 
 def collate(samples, pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -452,7 +484,10 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     world, rank = accelerator.num_processes, accelerator.process_index
     lengths = [len(sample.input_ids) for sample in data.train]
     batch_label = f"{cfg.tokens_per_step} tokens" if cfg.tokens_per_step else f"{cfg.batch_size} samples"
-    batches_per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.seed, 0, rank, world, cfg.tokens_per_step))
+    if cfg.packing:
+        batch_label = f"{cfg.tokens_per_step} tokens packed into one row"
+    batches_per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.seed, 0, rank, world, cfg.tokens_per_step,
+                                          cfg.packing))
     if batches_per_epoch < cfg.grad_accum_steps:
         raise TrainingError(f"{len(data.train)} samples make no full optimizer step of {cfg.grad_accum_steps} x "
                             f"{batch_label} on {world} processes: lower training.batch_size (or "
@@ -512,12 +547,14 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     last_saved = state["step"] if resume_from else -1
     stop = state["step"] >= planned["plan"].total
     while not stop:
-        batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, state["epoch"], rank, world, cfg.tokens_per_step)
+        batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, state["epoch"], rank, world, cfg.tokens_per_step,
+                                cfg.packing)
         # whole accumulation cycles only, so every epoch (and every checkpoint) ends on an optimizer step
         batches = batches[: len(batches) // cfg.grad_accum_steps * cfg.grad_accum_steps]
         for micro in range(state["micro_batches_done"], len(batches)):
             samples = [data.train[i] for i in batches[micro]]
-            batch = collate(samples, pad_id, accelerator.device)
+            batch = collate_packed(samples, accelerator.device) if cfg.packing else collate(samples, pad_id,
+                                                                                          accelerator.device)
             with accelerator.accumulate(drafter):
                 loss, metrics = method.loss(drafter, batch)
                 watch.observe_micro_batch(state["step"] + 1, batches[micro], features.take(), loss)  # no sync
@@ -534,8 +571,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
             n_tokens = sum(len(sample.input_ids) for sample in samples) * world  # from the host: no sync
             state["tokens_seen"] += n_tokens
             window_tokens += n_tokens
-            if flops_at is not None:
-                window_flops += flops_at(batch["input_ids"].shape[1]) * n_tokens
+            if flops_at is not None:  # a packed row's attention spans its samples, not the row
+                seq = n_tokens // world // len(samples) if cfg.packing else batch["input_ids"].shape[1]
+                window_flops += flops_at(seq) * n_tokens
             if not accelerator.sync_gradients:
                 continue
             for scheduler in schedulers:

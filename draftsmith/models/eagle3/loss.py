@@ -69,8 +69,20 @@ def position_loss(logits, teacher_logits, kind: str = "soft_ce", lk_eta: float =
     return weight * kl + (1.0 - weight) * (1.0 - alpha)
 
 
+def step_valid(loss_mask, teacher_in_draft, i: int, mask_outside_draft_vocab: bool, doc_ids=None) -> torch.Tensor:
+    """(B, S) bool: where TTT step i's prediction (of token t + 2 + i) counts. Its target is an assistant token,
+    with `mask_outside_draft_vocab` one whose target argmax is in the draft vocabulary, and in a packed row one of
+    the same sample (its inputs then are too)."""
+    valid = shift_left(loss_mask.bool(), 2 + i, False)
+    if mask_outside_draft_vocab:
+        valid = valid & shift_left(teacher_in_draft, 1 + i, False)
+    if doc_ids is not None:
+        valid = valid & (shift_left(doc_ids, 2 + i, -1) == doc_ids)
+    return valid
+
+
 def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
-             kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True):
+             kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True, doc_ids=None):
     """Weighted loss over the unrolled steps: sum_i decay**i * L_i (see `position_loss` for the kinds).
 
     step_logits: list of (B, S, V_d) drafter logits; teacher_draft_logits (B, S, V_d); teacher_in_draft (B, S) bool;
@@ -85,9 +97,7 @@ def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, dec
     correct_steps, valid_steps = [], []
     for i, logits in enumerate(step_logits):
         teacher = shift_left(teacher_draft_logits, 1 + i)  # (B, S, V_d)
-        valid = shift_left(loss_mask.bool(), 2 + i, False)  # (B, S)
-        if mask_outside_draft_vocab:
-            valid = valid & shift_left(teacher_in_draft, 1 + i, False)
+        valid = step_valid(loss_mask, teacher_in_draft, i, mask_outside_draft_vocab, doc_ids)  # (B, S)
         per_pos = position_loss(logits, teacher, kind, lk_eta)  # (B, S)
         count = valid.sum()
         step_loss = torch.where(valid, per_pos, 0.0).sum() / count.clamp(min=1)
@@ -114,7 +124,7 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
 
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
                    kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
-                   chunk_size: int = 1024):
+                   chunk_size: int = 1024, doc_ids=None):
     """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
 
     Positions are flattened to B*S rows and read `chunk_size` at a time; each chunk's logits, float32 softmaxes and
@@ -130,9 +140,7 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
     metrics: dict[str, torch.Tensor] = {}
     correct_steps, valid_steps = [], []
     for i, hidden in enumerate(step_hidden):
-        valid = shift_left(loss_mask.bool(), 2 + i, False)  # (B, S)
-        if mask_outside_draft_vocab:
-            valid = valid & shift_left(teacher_in_draft, 1 + i, False)
+        valid = step_valid(loss_mask, teacher_in_draft, i, mask_outside_draft_vocab, doc_ids)  # (B, S)
         flat_hidden, flat_valid = hidden.reshape(rows, -1), valid.reshape(rows)
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)

@@ -154,7 +154,7 @@ class Eagle3Drafter(nn.Module):
         self._compiled_steps = (torch.compile(self._attention_qkv, backend=backend),
                                 torch.compile(self._step_finish, backend=backend))
 
-    def _ttt_step(self, embeds, hidden, cos, sin, query_block, keys0, values0, *diagonal):
+    def _ttt_step(self, embeds, hidden, cos, sin, query_block, doc_ids, keys0, values0, *diagonal):
         """One unrolled draft step: returns its output hidden and its (repeated) keys and values. `diagonal` holds
         the earlier steps' keys then values (steps 1..i-1); step 0 passes keys0 = values0 = None."""
         qkv, finish = self._compiled_steps or (self._attention_qkv, self._step_finish)
@@ -167,11 +167,11 @@ class Eagle3Drafter(nn.Module):
             diag_keys.append(k)
             diag_values.append(v)
         scale = self.midlayer.self_attn.head_dim ** -0.5
-        out = ttt_attention(q, keys0, values0, diag_keys, diag_values, scale, query_block)  # (B, h, S, hd)
+        out = ttt_attention(q, keys0, values0, diag_keys, diag_values, scale, query_block, doc_ids)  # (B, h, S, hd)
         return finish(out, hidden), k, v
 
     def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None, return_hidden: bool = False,
-                    query_block: int = DEFAULT_QUERY_BLOCK):
+                    query_block: int = DEFAULT_QUERY_BLOCK, doc_ids=None):
         """Unroll `num_steps` draft steps over a whole sequence at once; returns per-step logits (B, S, V_d), or with
         `return_hidden` the per-step output hidden states (B, S, H) that `logits` reads (the fused loss does so a
         chunk of positions at a time, so the logits of a whole step never exist).
@@ -182,6 +182,8 @@ class Eagle3Drafter(nn.Module):
         the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6; kernels/ttt_attention.py
         computes it `query_block` queries at a time, so no S x S scores are kept).
         Positions whose input token lies past the end get zero embeddings; the loss masks them.
+        Packed rows: `position_ids` restart in every sample (RoPE) and `doc_ids` (B, S) keep the attention inside
+        each; a position whose input or target lies in the next sample is masked by the loss (same `doc_ids`).
         """
         b, s, _ = token_embeds.shape
         if position_ids is None:
@@ -195,7 +197,7 @@ class Eagle3Drafter(nn.Module):
             embeds = torch.zeros_like(token_embeds)
             embeds[:, : max(s - 1 - i, 0)] = token_embeds[:, 1 + i:]  # embed(x_{t+1+i})
             cos, sin = self.rope(token_embeds, position_ids + i)
-            args = (embeds, hidden, cos, sin, query_block, keys0, values0, *diag_keys, *diag_values)
+            args = (embeds, hidden, cos, sin, query_block, doc_ids, keys0, values0, *diag_keys, *diag_values)
             if recompute:  # keeps the step's inputs only; the layer's activations are recomputed in the backward
                 hidden, k, v = checkpoint(self._ttt_step, *args, use_reentrant=False)
             else:
@@ -208,17 +210,18 @@ class Eagle3Drafter(nn.Module):
             outputs.append(hidden if return_hidden else self.logits(hidden))
         return outputs
 
-    def forward(self, aux_hidden, token_embeds, num_steps: int, loss_targets: dict | None = None):
+    def forward(self, aux_hidden, token_embeds, num_steps: int, loss_targets: dict | None = None, position_ids=None,
+                doc_ids=None):
         """Training forward (what DDP/FSDP/DeepSpeed wrap): the TTT unroll, and with `loss_targets` (the keyword
         arguments of `eagle3.loss.fused_ttt_loss` but the first two) its loss, computed here so that sharded
         wrappers see the head used inside their forward. Returns step logits, or (loss, metrics)."""
         if loss_targets is None:
-            return self.forward_ttt(aux_hidden, token_embeds, num_steps)
+            return self.forward_ttt(aux_hidden, token_embeds, num_steps, position_ids, doc_ids=doc_ids)
         from draftsmith.models.eagle3.loss import fused_ttt_loss
 
-        step_hidden = self.forward_ttt(aux_hidden, token_embeds, num_steps, return_hidden=True,
-                                       query_block=self.query_block)
-        return fused_ttt_loss(self.logits, step_hidden, **loss_targets)
+        step_hidden = self.forward_ttt(aux_hidden, token_embeds, num_steps, position_ids, return_hidden=True,
+                                       query_block=self.query_block, doc_ids=doc_ids)
+        return fused_ttt_loss(self.logits, step_hidden, doc_ids=doc_ids, **loss_targets)
 
     # ---- runtime: cached steps ---------------------------------------------------------------------
     def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:

@@ -52,7 +52,9 @@ class Eagle3Method:
 
     def loss(self, drafter, batch: dict[str, torch.Tensor]):
         """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
-        captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
+        positions, docs = batch.get("position_ids"), batch.get("doc_ids")  # a packed row (trainer.collate_packed)
+        captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids,
+                                       position_ids=positions)
         model = _unwrap(drafter)
         draft_ids = torch.arange(model.d2t.numel(), device=model.d2t.device) + model.d2t  # ascending target ids
         teacher, in_draft = teacher_targets(captured.last_hidden, self.target.lm_head, model.t2d,
@@ -61,7 +63,8 @@ class Eagle3Method:
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
         targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=batch["loss_mask"],
                        **self.loss_options)
-        return drafter(captured.aux_hidden, token_embeds, self.ttt_steps, loss_targets=targets)
+        return drafter(captured.aux_hidden, token_embeds, self.ttt_steps, loss_targets=targets, position_ids=positions,
+                       doc_ids=docs)
 
 
 def _unwrap(module):
