@@ -26,6 +26,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. training.lr=1e-4")
 
 
+def _collect(args: argparse.Namespace) -> int:
+    from draftsmith.train.collect import collect
+    from draftsmith.config import load_recipe
+
+    collect(load_recipe(args.recipe, args.overrides))
+    return 0
+
+
 def _export_args(p):
     from draftsmith.models.export import add_export_args
 
@@ -101,6 +109,8 @@ def _quickstart(args):
 COMMANDS = {
     # name: (help, add_arguments, run)
     "train": ("train a drafter from a recipe", _add_train_args, _train),
+    "collect": ("write the target's hidden states for a recipe's data into a store (data.hidden_states_path)",
+                _add_train_args, _collect),
     "export": ("export a checkpoint for vLLM / SGLang", _export_args, _export),
     "import": ("convert a published drafter (native EAGLE-3, speculators) into a draftsmith checkpoint",
                _import_args, _import),

@@ -97,6 +97,9 @@ class DataConfig(BaseModel):
     max_samples: int | None = Field(None, ge=1)
     eval_samples: int = Field(64, ge=0)  # held-out split taken from the end of the loaded records
     cache_dir: str | None = None  # None = ~/.cache/draftsmith
+    # A hidden-state store written by `draftsmith collect` (data/store.py): training reads the target's states
+    # from it instead of running the target; None = capture them online
+    hidden_states_path: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -115,6 +118,16 @@ class DataConfig(BaseModel):
     def cache_path(self) -> Path:
         """Directory for tokenized data, vocab maps and hidden-state shards."""
         return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
+
+class CollectConfig(BaseModel):
+    """The `collect:` section: how `draftsmith collect` writes the hidden-state store (data/store.py)."""
+
+    model_config = _STRICT
+
+    max_shard_bytes: int = Field(2_000_000_000, ge=1)  # a shard is closed once it holds about this much
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    batch_tokens: int = Field(16384, ge=16)  # padded tokens per target forward (samples sorted by length)
 
 
 class TrainingConfig(BaseModel):
@@ -268,6 +281,7 @@ class Recipe(BaseModel):
     eagle3: Eagle3Section = Field(default_factory=Eagle3Section)
     dflash: DflashConfig = Field(default_factory=DflashConfig)
     mtp: MtpConfig = Field(default_factory=MtpConfig)
+    collect: CollectConfig = Field(default_factory=CollectConfig)
     output_dir: str = Field(min_length=1)
 
     @model_validator(mode="after")

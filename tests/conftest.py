@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def fixture_target_dir() -> Path:
     """The real tiny Llama chat target (16k vocab, 8 layers, hidden 384)."""
     path = SHARED / "fixtures" / "targets" / "sharegpt-llama-19m"

@@ -364,10 +364,11 @@ def load_initial_weights(drafter, path: str, method: str) -> None:
 
 
 @torch.no_grad()
-def evaluate(method, drafter, samples, batch_size, pad_id, device, features: FeatureCheck | None = None
-             ) -> dict[str, float]:
+def evaluate(method, drafter, samples, batch_size, pad_id, device, features: FeatureCheck | None = None,
+             before_batch=None) -> dict[str, float]:
     """Held-out loss, per-step top-1 accuracy and simulated acceptance length, weighted by valid positions.
-    With `features` (the target's checked capture), a non-finite feature of an eval sample stops the run."""
+    With `features` (the target's checked capture), a non-finite feature of an eval sample stops the run;
+    `before_batch(start, end)` is told which eval samples each batch holds (a hidden-state store reads them)."""
     if not samples:
         return {}
     drafter.eval()
@@ -375,6 +376,8 @@ def evaluate(method, drafter, samples, batch_size, pad_id, device, features: Fea
     weight_total = 0.0
     for i in range(0, len(samples), batch_size):
         batch = collate(samples[i:i + batch_size], pad_id, device)
+        if before_batch is not None:
+            before_batch(i, min(i + batch_size, len(samples)))
         loss, metrics = method.loss(drafter, batch)
         rows_ok = features.take() if features is not None else None
         if rows_ok is not None and not bool(rows_ok.all()):  # evaluation syncs per batch anyway
@@ -455,8 +458,6 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                                          attn_implementation=recipe.model.attn_implementation)
     check_target_weights(target, recipe.model.target)
     check_tokenizer_fits(len(tokenizer), target.vocab_size, recipe.model.target)
-    features = FeatureCheck(target.capture)
-    target.capture = features  # the methods capture inside their loss; this records which rows came out finite
     uses_draft_vocab = recipe.model.method == "eagle3"
     vocab_size = draft_vocab_size_for(recipe.model, target.vocab_size) if uses_draft_vocab else target.vocab_size
     if vocab_size > target.vocab_size:
@@ -467,6 +468,11 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     method = method_cls(recipe, target)
     for note in getattr(method, "notes", []):
         log(note)
+    stored = _open_store(recipe, tokenizer, target, method, data, log) if recipe.data.hidden_states_path else None
+    if stored is not None:
+        target.capture = stored  # the methods' capture now reads the store
+    features = FeatureCheck(target.capture)
+    target.capture = features  # the methods capture inside their loss; this records which rows came out finite
     with accelerator.main_process_first():
         d2t, t2d, vocab_path = load_or_build_draft_vocab(
             recipe.data.cache_path(), tokenizer, data.train, target.vocab_size, vocab_size)
@@ -555,6 +561,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
             samples = [data.train[i] for i in batches[micro]]
             batch = collate_packed(samples, accelerator.device) if cfg.packing else collate(samples, pad_id,
                                                                                           accelerator.device)
+            if stored is not None:
+                stored.select(batches[micro], [s.input_ids for s in samples])
             with accelerator.accumulate(drafter):
                 loss, metrics = method.loss(drafter, batch)
                 watch.observe_micro_batch(state["step"] + 1, batches[micro], features.take(), loss)  # no sync
@@ -589,7 +597,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                     check_health()
                     planned["plan"], eval_seconds = _plan_the_budget(cfg, probe_times, started, total_steps, method,
                                                                      drafter, data.eval, pad_id, accelerator,
-                                                                     metrics_path, log)
+                                                                     metrics_path, log, _eval_selector(stored, data))
                     probe_times[step] = time.time()  # the steady steps are timed from after that evaluation
                     eval_spent = 0.0
                 elif step == plan.replan_step and len(probe_times) > 1:
@@ -633,7 +641,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                 check_health()  # evaluation syncs on every batch anyway
                 eval_started = time.time()
                 row = {"step": step, **evaluate(method, drafter, data.eval, cfg.batch_size, pad_id,
-                                                accelerator.device, features)}
+                                                accelerator.device, features, _eval_selector(stored, data))}
                 eval_spent += time.time() - eval_started
                 if len(row) > 1:
                     log(f"step {step}: eval loss {row['eval/loss']:.4f} acc_0 {row['eval/acc_0']:.3f} "
@@ -660,6 +668,29 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     log(f"done: {state['step']} steps, {state['tokens_seen']} tokens in {(time.time() - started) / 60:.1f} min; "
         f"checkpoint {final}")
     return final
+
+
+def _open_store(recipe, tokenizer, target, method, data, log):
+    """The store data.hidden_states_path names, checked against this recipe; the capture that reads it."""
+    from draftsmith.data.store import HiddenStateStore, StoredCapture, store_header
+
+    store = HiddenStateStore(recipe.data.hidden_states_path)
+    samples = [*data.train, *data.eval]
+    expected = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, target.config.hidden_size,
+                            samples, len(data.train), store.index.get("dtype"))
+    store.check_matches(expected)
+    log(f"hidden states: read from {store.folder} ({store.index['num_samples']} samples, "
+        f"{store.index['bytes'] / 1e9:.2f} GB, {store.index['dtype']}); the target's layers are not run")
+    return StoredCapture(store, target.device, target.dtype, method.aux_layer_ids)
+
+
+def _eval_selector(stored, data):
+    """evaluate()'s `before_batch` for a store: eval sample j is store sample len(train) + j."""
+    if stored is None:
+        return None
+    n = len(data.train)
+    return lambda start, end: stored.select(list(range(n + start, n + end)),
+                                            [s.input_ids for s in data.eval[start:end]])
 
 
 def _flop_counter(method, lengths: list[int], cfg, device, log):
@@ -698,7 +729,7 @@ def _utilisation(flops_per_s: float, flops_at, device, world: int) -> dict:
 
 
 def _plan_the_budget(cfg, probe_times, started, max_steps, method, drafter, eval_samples, pad_id, accelerator,
-                     metrics_path, log) -> tuple[SchedulePlan, float]:
+                     metrics_path, log, before_batch=None) -> tuple[SchedulePlan, float]:
     """(the schedule for the steps that fit in what is left of `training.max_minutes`, one evaluation's seconds),
     from the probe's step time and one timed evaluation (whose row is logged like any other)."""
     hold = cfg.time_probe_steps
@@ -710,7 +741,8 @@ def _plan_the_budget(cfg, probe_times, started, max_steps, method, drafter, eval
     eval_seconds = 0.0
     if eval_samples:
         t0 = time.time()
-        row = {"step": hold, **evaluate(method, drafter, eval_samples, cfg.batch_size, pad_id, accelerator.device)}
+        row = {"step": hold, **evaluate(method, drafter, eval_samples, cfg.batch_size, pad_id, accelerator.device,
+                                        before_batch=before_batch)}
         eval_seconds = time.time() - t0
         _log_row(accelerator, metrics_path, row)
     seconds_left = cfg.max_minutes * 60 - (time.time() - started)

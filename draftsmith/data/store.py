@@ -1,0 +1,366 @@
+"""The hidden-state store: what `draftsmith collect` writes once, and training reads instead of running the target.
+
+A store is a folder:
+
+    index.json                           written last, atomically: a store is complete exactly when it exists
+    shard-r{rank}-{n:05d}.safetensors    many samples each, closed at a batch boundary once it holds about
+                                         `collect.max_shard_bytes`; for sample i: "{i}.aux" (L, n_aux*H) and
+                                         "{i}.last" (L, H) in the store dtype, "{i}.input_ids" (L,) int32,
+                                         "{i}.loss_mask" (L,) int8
+    progress-r{rank}.json                the shards rank r finished, with their checksums (removed once the index
+                                         is written); a killed collection resumes from it
+
+`aux` is what `TargetModel.capture` returns for the method's aux layer ids (the residual stream entering each
+layer, DESIGN.md's capture ids) and `last` the final-normed last hidden state, from which training recomputes the
+teacher with the target's frozen head (the logits are never stored). Sample ids are the prepared data's order:
+the training samples, then the held-out ones. index.json records what the states belong to (target fingerprint,
+aux layer ids, tokenizer and chat template, a hash of the tokenized data), the dtype and sizes, every shard's
+sha256 and, per sample, [shard, byte offset of its aux tensor, length]. Reading checks all of it: a store that
+does not belong to the recipe, a shard that fails its checksum, or a non-finite state is a one-line error naming
+the key, shard or sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STORE_FORMAT = "draftsmith-hidden-states/1"
+INDEX = "index.json"
+AUX_CONVENTION = ("capture id k = the residual stream entering decoder layer k (output_hidden_states[k]); "
+                  "id L = the input of the final norm")
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class StoreError(ValueError):
+    """A store that cannot be written or used; the message is one line naming the folder, file, key or sample."""
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def data_fingerprint(samples) -> str:
+    """sha256 of the tokenized samples (ids and loss masks, in order): the store holds states of exactly these."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(struct.pack(f"<{len(s.input_ids)}i", *s.input_ids))
+        h.update(bytes(s.loss_mask))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _safetensors_headers_sha256(folder: Path) -> str | None:
+    """sha256 of every weight file's safetensors header (names, shapes, dtypes, offsets): cheap, and changes with
+    any re-save or re-shard of the weights; it does not read the weights themselves."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            h.update(f.name.encode() + fh.read(n))
+    return h.hexdigest()
+
+
+def target_fingerprint(target: str) -> dict[str, Any]:
+    """What identifies the target's weights: its name, the Hub revision when it came from the Hub cache, and hashes
+    of its config.json and weight headers when its files are local."""
+    folder = Path(target)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(target, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not in the local cache: the name is all we can record
+            return {"target": target}
+    revision = folder.name if folder.parent.name == "snapshots" else None
+    config = folder / "config.json"
+    return {"target": target, "revision": revision,
+            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+            "weights_header_sha256": _safetensors_headers_sha256(folder)}
+
+
+def tokenizer_fingerprints(tokenizer) -> dict[str, str | None]:
+    from draftsmith.data.vocab import tokenizer_vocab_fingerprint
+
+    template = getattr(tokenizer, "chat_template", None)
+    return {"tokenizer_sha256": tokenizer_vocab_fingerprint(tokenizer),
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str)
+            else None}
+
+
+def store_header(target_name: str, tokenizer, aux_layer_ids: list[int], hidden_size: int, samples, num_train: int,
+                 dtype: str) -> dict[str, Any]:
+    """What index.json says the states belong to; `collect` writes it and training checks it (`check_matches`)."""
+    return {"format": STORE_FORMAT, **target_fingerprint(target_name), "aux_layer_ids": list(aux_layer_ids),
+            "aux_convention": AUX_CONVENTION, "hidden_size": hidden_size, "num_aux": len(aux_layer_ids),
+            "dtype": dtype, **tokenizer_fingerprints(tokenizer), "data_sha256": data_fingerprint(samples),
+            "num_train": num_train, "num_eval": len(samples) - num_train}
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
+    return (num_aux + 1) * hidden_size * _DTYPES[dtype].itemsize + 4 + 1  # aux + last, int32 id, int8 mask
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _aux_offsets(path: Path) -> dict[str, int]:
+    """Byte offset of each sample's aux tensor in a safetensors shard (what the index records)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {name[:-4]: 8 + n + meta["data_offsets"][0] for name, meta in header.items() if name.endswith(".aux")}
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def plan_batches(ids: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Sample ids grouped for the target: longest first, each group at most `batch_tokens` padded tokens, so the
+    target runs full batches with little padding. Deterministic: a resumed collection redoes the same batches."""
+    batches, current = [], []
+    for i in sorted(ids, key=lambda j: (-lengths[j], j)):
+        if current and lengths[current[0]] * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _progress_path(folder: Path, rank: int) -> Path:
+    return folder / f"progress-r{rank}.json"
+
+
+def collect_rank(target, aux_layer_ids: list[int], samples, folder: Path, header: dict, *, rank: int = 0,
+                 world: int = 1, max_shard_bytes: int, dtype: str, batch_tokens: int,
+                 log: Callable[[str], None] = print) -> None:
+    """Write this rank's share of the store (samples rank, rank + world, ...) as shards, resuming its progress."""
+    from tqdm.auto import tqdm
+
+    from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_atomic
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(f".shard-r{rank}-*.tmp-*"):  # a shard a killed run was writing
+        stale.unlink(missing_ok=True)
+    lengths = [len(s.input_ids) for s in samples]
+    batches = plan_batches(list(range(rank, len(samples), world)), lengths, batch_tokens)
+    plan = hashlib.sha256(json.dumps([header, rank, world, max_shard_bytes, dtype, batches]).encode()).hexdigest()
+    progress_file = _progress_path(folder, rank)
+    progress = {"format": STORE_FORMAT, "plan_sha256": plan, "rank": rank, "world": world, "shards": []}
+    if progress_file.is_file():
+        previous = json.loads(progress_file.read_text())
+        if previous.get("plan_sha256") != plan:
+            raise StoreError(f"{progress_file}: a collection with another target, data, layers or collect settings "
+                             "was started in this folder: give data.hidden_states_path a new folder")
+        progress["shards"] = [s for s in previous["shards"] if (folder / s["name"]).is_file()
+                              and (folder / s["name"]).stat().st_size == s["bytes"]]
+    done = {i for shard in progress["shards"] for i, _, _ in shard["samples"]}
+    todo = [b for b in batches if b[0] not in done]  # shards end at batch boundaries: a batch is all done or not
+    if done:
+        log(f"collect: resuming rank {rank} after {len(progress['shards'])} shards ({len(done)} samples)")
+    store_dtype = _DTYPES[dtype]
+    pending: dict[str, torch.Tensor] = {}
+    pending_ids: list[int] = []
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_ids, pending_bytes
+        name = f"shard-r{rank}-{len(progress['shards']):05d}.safetensors"
+        path = folder / name
+        save_safetensors_atomic(pending, path)  # one metadata key: safetensors orders several at random
+        offsets = _aux_offsets(path)
+        progress["shards"].append({"name": name, "sha256": _sha256_file(path), "bytes": path.stat().st_size,
+                                   "samples": [[i, offsets[str(i)], lengths[i]] for i in pending_ids]})
+        write_json_atomic(progress, progress_file)  # the shard counts as done only from here
+        pending, pending_ids, pending_bytes = {}, [], 0
+
+    tokens = sum(lengths[i] for b in todo for i in b)
+    with torch.no_grad(), tqdm(total=tokens, unit="tok", desc=f"collect r{rank}", disable=not todo) as bar:
+        for batch in todo:
+            width = lengths[batch[0]]
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, :lengths[i]] = torch.tensor(samples[i].input_ids)
+                mask[row, :lengths[i]] = 1
+            states = target.capture(ids.to(target.device), mask.to(target.device), aux_layer_ids)
+            aux = states.aux_hidden.to("cpu", store_dtype)
+            last = states.last_hidden.to("cpu", store_dtype)
+            for row, i in enumerate(batch):
+                n = lengths[i]
+                if not (torch.isfinite(aux[row, :n]).all() and torch.isfinite(last[row, :n]).all()):
+                    raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or "
+                                     "inf): its weights hold a NaN, or it overflows (try model.dtype=float32)")
+                pending[f"{i}.aux"] = aux[row, :n].clone()
+                pending[f"{i}.last"] = last[row, :n].clone()
+                pending[f"{i}.input_ids"] = torch.tensor(samples[i].input_ids, dtype=torch.int32)
+                pending[f"{i}.loss_mask"] = torch.tensor(samples[i].loss_mask, dtype=torch.int8)
+                pending_ids.append(i)
+                pending_bytes += n * bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1], dtype)
+            bar.update(sum(lengths[i] for i in batch))
+            if pending_bytes >= max_shard_bytes:
+                flush()
+    if pending_ids:
+        flush()
+
+
+def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dict:
+    """Merge every rank's progress into index.json (atomically), check each sample is there once, and remove the
+    progress files. Returns the index."""
+    from draftsmith.models.checkpoint import write_json_atomic
+
+    shards, samples = {}, [None] * num_samples
+    for rank in range(world):
+        path = _progress_path(folder, rank)
+        if not path.is_file():
+            raise StoreError(f"{path}: missing: rank {rank} has not finished its part of the collection")
+        for shard in json.loads(path.read_text())["shards"]:
+            shards[shard["name"]] = {"sha256": shard["sha256"], "bytes": shard["bytes"],
+                                     "samples": len(shard["samples"])}
+            for i, offset, length in shard["samples"]:
+                samples[i] = [shard["name"], offset, length]
+    missing = [i for i, s in enumerate(samples) if s is None]
+    if missing:
+        raise StoreError(f"{folder}: {len(missing)} samples were not collected (first: {missing[0]}); run collect "
+                         "again to finish")
+    index = {**header, "num_samples": num_samples, "num_tokens": sum(s[2] for s in samples),
+             "bytes": sum(s["bytes"] for s in shards.values()), "shards": shards, "samples": samples}
+    write_json_atomic(index, folder / INDEX)
+    for rank in range(world):
+        _progress_path(folder, rank).unlink(missing_ok=True)
+    return index
+
+
+def check_disk(folder: Path, needed: int) -> None:
+    probe = folder if folder.exists() else next(p for p in folder.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise StoreError(f"{folder}: the store needs about {needed / 1e9:.2f} GB and the disk has "
+                         f"{free / 1e9:.2f} GB free: free space or set data.hidden_states_path elsewhere")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class HiddenStateStore:
+    """A complete store, opened for training: checked against what the recipe expects, read a batch at a time
+    (memory-mapped shards: only the requested samples' bytes are read), every shard checksummed at its first use."""
+
+    CHECKED = ("format", "target", "revision", "config_sha256", "weights_header_sha256", "aux_layer_ids",
+               "tokenizer_sha256", "chat_template_sha256", "data_sha256", "num_train", "hidden_size")
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        path = self.folder / INDEX
+        if not path.is_file():
+            raise StoreError(f"{self.folder}: no {INDEX}: not a complete hidden-state store (run draftsmith collect "
+                             "with this data.hidden_states_path, or let it finish)")
+        try:
+            self.index = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        if self.index.get("format") != STORE_FORMAT:
+            raise StoreError(f"{path}: format {self.index.get('format')!r} is not {STORE_FORMAT!r}")
+        self._open: dict[str, Any] = {}
+
+    def check_matches(self, expected: dict) -> None:
+        """One line naming the first key whose recorded value differs from the recipe's."""
+        for key in self.CHECKED:
+            if key in expected and self.index.get(key) != expected[key]:
+                raise StoreError(f"{self.folder / INDEX}: {key} is {self.index.get(key)!r} but the recipe gives "
+                                 f"{expected[key]!r}: these states belong to another target, layers, tokenizer or "
+                                 "data; collect a store for this recipe")
+
+    def _shard(self, name: str):
+        if name not in self._open:
+            from safetensors import safe_open
+
+            path = self.folder / name
+            recorded = self.index["shards"].get(name)
+            if recorded is None or not path.is_file():
+                raise StoreError(f"{path}: missing from the store")
+            if _sha256_file(path) != recorded["sha256"]:
+                raise StoreError(f"{path}: fails its checksum: the file is damaged or was changed after collection; "
+                                 "collect the store again")
+            self._open[name] = safe_open(str(path), framework="pt")
+        return self._open[name]
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(aux (L, n*H), last (L, H), input ids) of sample i, on the CPU, checked finite."""
+        if not 0 <= i < self.index["num_samples"]:
+            raise StoreError(f"{self.folder / INDEX}: no sample {i} (the store holds {self.index['num_samples']})")
+        name = self.index["samples"][i][0]
+        shard = self._shard(name)
+        aux, last = shard.get_tensor(f"{i}.aux"), shard.get_tensor(f"{i}.last")
+        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+            raise StoreError(f"{self.folder / name}: sample {i} holds a non-finite (NaN or inf) hidden state")
+        return aux, last, shard.get_tensor(f"{i}.input_ids").tolist()
+
+    def batch(self, ids: list[int], input_ids: list[list[int]], device, dtype, packed: bool = False):
+        """CapturedStates of these samples, right-padded (B, S, .) like the trainer's collate, or concatenated into
+        one packed row. `input_ids` are the samples' ids as the recipe tokenized them: they must be the stored ones."""
+        from draftsmith.models.target import CapturedStates
+
+        rows = []
+        for i, want in zip(ids, input_ids):
+            aux, last, stored = self.sample(i)
+            if stored != list(want):
+                raise StoreError(f"{self.folder / self.index['samples'][i][0]}: sample {i} holds other tokens than "
+                                 "the recipe's data gives it: collect a store for this data")
+            rows.append((aux, last))
+        if packed:
+            aux = torch.cat([a for a, _ in rows])[None]
+            last = torch.cat([h for _, h in rows])[None]
+        else:
+            width = max(a.shape[0] for a, _ in rows)
+            aux = torch.zeros(len(rows), width, rows[0][0].shape[-1], dtype=rows[0][0].dtype)
+            last = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=rows[0][1].dtype)
+            for r, (a, h) in enumerate(rows):
+                aux[r, :a.shape[0]] = a
+                last[r, :h.shape[0]] = h
+        return CapturedStates(aux_hidden=aux.to(device, dtype), last_hidden=last.to(device, dtype))
+
+
+class StoredCapture:
+    """Stands in for `target.capture` when training reads a store: the trainer names the micro-batch's sample ids
+    (`select`) before the method's loss runs, and capture returns their stored states instead of running the
+    target. Shapes are checked against the batch the method passes."""
+
+    def __init__(self, store: HiddenStateStore, device, dtype, aux_layer_ids: list[int]):
+        self.store, self.device, self.dtype = store, device, dtype
+        self.aux_layer_ids = list(aux_layer_ids)
+        self._selected: tuple[list[int], list[list[int]]] | None = None
+
+    def select(self, store_ids: list[int], input_ids: list[list[int]]) -> None:
+        self._selected = (list(store_ids), input_ids)
+
+    def __call__(self, input_ids, attention_mask=None, aux_layer_ids=None, position_ids=None):
+        if self._selected is None:
+            raise RuntimeError("StoredCapture: no samples selected for this batch")
+        if aux_layer_ids is not None and list(aux_layer_ids) != self.aux_layer_ids:
+            raise StoreError(f"{self.store.folder / INDEX}: holds aux layers {self.aux_layer_ids}, asked for "
+                             f"{list(aux_layer_ids)}")
+        ids, tokens = self._selected
+        self._selected = None
+        packed = position_ids is not None and attention_mask is None
+        states = self.store.batch(ids, tokens, self.device, self.dtype, packed=packed)
+        if tuple(states.aux_hidden.shape[:2]) != tuple(input_ids.shape):
+            raise RuntimeError(f"StoredCapture: stored states {tuple(states.aux_hidden.shape[:2])} do not fit the "
+                               f"batch {tuple(input_ids.shape)}")
+        return states

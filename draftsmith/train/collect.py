@@ -1,0 +1,79 @@
+"""`draftsmith collect RECIPE [key=value ...]` (or `accelerate launch -m draftsmith.collect RECIPE ...`): run the
+target once over the recipe's prepared data and write its hidden states into the store `data.hidden_states_path`
+names (data/store.py), so training reads them instead of running the target every epoch.
+
+Each process takes a disjoint part of the samples (rank, rank + world, ...) and writes its own shards; the index is
+merged at the end. A killed run resumes where it stopped: finished shards are kept, the unfinished one is redone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.config import Recipe, RecipeError, load_recipe
+
+
+def collect(recipe: Recipe, log=print) -> Path:
+    from accelerate import PartialState
+
+    from draftsmith.data import prepare_dataset
+    from draftsmith.data.store import (
+        INDEX,
+        HiddenStateStore,
+        bytes_per_token,
+        check_disk,
+        collect_rank,
+        store_header,
+        write_index,
+    )
+    from draftsmith.models.target import TargetModel
+    from draftsmith.train.trainer import _load_tokenizer, _method_class
+
+    if not recipe.data.hidden_states_path:
+        raise RecipeError("collect needs data.hidden_states_path: the folder to write the hidden-state store into")
+    folder = Path(recipe.data.hidden_states_path).expanduser()
+    state = PartialState()
+    rank, world = state.process_index, state.num_processes
+    log = log if state.is_main_process else (lambda *a, **k: None)
+    tokenizer = _load_tokenizer(recipe.model.target)
+    with state.main_process_first():
+        data = prepare_dataset(recipe.data, tokenizer, log=log)
+    samples = [*data.train, *data.eval]
+    target = TargetModel.from_pretrained(recipe.model.target, dtype=recipe.model.dtype, device=state.device,
+                                         attn_implementation=recipe.model.attn_implementation)
+    method = _method_class(recipe.model.method)(recipe, target)
+    hidden = target.config.hidden_size
+    header = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, hidden, samples, len(data.train),
+                          recipe.collect.dtype)
+    if (folder / INDEX).is_file():
+        HiddenStateStore(folder).check_matches(header)
+        log(f"collect: {folder} already holds the complete store for this recipe: nothing to do")
+        return folder
+    per_token = bytes_per_token(hidden, len(method.aux_layer_ids), recipe.collect.dtype)
+    tokens = sum(len(s.input_ids) for s in samples)
+    log(f"collect: {len(samples)} samples, {tokens} tokens x {per_token} bytes per token ({len(method.aux_layer_ids)} "
+        f"aux layers {method.aux_layer_ids} + the last hidden state, {recipe.collect.dtype}) = about "
+        f"{tokens * per_token / 1e9:.2f} GB into {folder}" + (f", {world} processes" if world > 1 else ""))
+    done = _tokens_done(folder, rank)
+    mine = sum(len(s.input_ids) for s in samples[rank::world])
+    check_disk(folder, (mine - done) * per_token)
+    collect_rank(target, method.aux_layer_ids, samples, folder, header, rank=rank, world=world,
+                 max_shard_bytes=recipe.collect.max_shard_bytes, dtype=recipe.collect.dtype,
+                 batch_tokens=recipe.collect.batch_tokens, log=log)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        index = write_index(folder, header, len(samples), world)
+        log(f"collect: wrote {index['num_samples']} samples, {index['num_tokens']} tokens, "
+            f"{index['bytes'] / 1e9:.3f} GB in {len(index['shards'])} shards to {folder}")
+    state.wait_for_everyone()
+    return folder
+
+
+def _tokens_done(folder: Path, rank: int) -> int:
+    """Tokens this rank's finished shards already hold (a resumed run needs disk for the rest only)."""
+    import json
+
+    path = folder / f"progress-r{rank}.json"
+    if not path.is_file():
+        return 0
+    return sum(length for shard in json.loads(path.read_text())["shards"] for _, _, length in shard["samples"])

@@ -1,0 +1,194 @@
+"""The hidden-state store: `draftsmith collect` writes the target's states once, training reads them (same loss curve
+as online), a SIGKILLed collection resumes to the same store, and damaged or foreign stores are refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.cli import main as cli_main
+from draftsmith.train.collect import collect
+from draftsmith.config import recipe_from_dict, save_recipe
+from draftsmith.data.store import INDEX, HiddenStateStore, StoreError, _sha256_file
+from draftsmith.models.target import TargetModel
+from draftsmith.train import train
+from test_train import losses, tiny_recipe, write_conversations
+
+SHARD_BYTES = 600_000  # the fixture's states are 6 kB a token in float32: several shards
+
+
+def store_recipe(target_dir, tmp_path, store, **training):
+    data = write_conversations(tmp_path / "conv.jsonl")
+    recipe = tiny_recipe(target_dir, data, tmp_path, **training).model_dump()
+    recipe["data"]["hidden_states_path"] = str(store)
+    recipe["collect"] = {"max_shard_bytes": SHARD_BYTES, "dtype": "float32", "batch_tokens": 64}
+    return recipe_from_dict(recipe)
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory, fixture_target_dir):
+    tmp = tmp_path_factory.mktemp("collected")
+    recipe = store_recipe(fixture_target_dir, tmp, tmp / "store")
+    collect(recipe, log=lambda *a: None)
+    return recipe, tmp / "store"
+
+
+def test_the_store_holds_the_targets_states_in_bounded_shards(collected, fixture_target_dir):
+    recipe, folder = collected
+    index = json.loads((folder / INDEX).read_text())
+    assert index["num_samples"] == index["num_train"] + index["num_eval"] == 24
+    assert index["aux_layer_ids"] and index["dtype"] == "float32" and index["data_sha256"]
+    assert len(index["shards"]) > 1
+    batch_bytes = 96 * 6 * 1024  # a batch: at most 64 padded tokens, or one sample of up to 96
+    assert all(s["bytes"] < SHARD_BYTES + batch_bytes for s in index["shards"].values())  # closed at a batch end
+    assert index["num_tokens"] == sum(length for _, _, length in index["samples"])
+    assert not list(folder.glob("progress-*")) and not list(folder.glob(".*tmp*"))
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32")
+    store = HiddenStateStore(folder)
+    for i in (0, 7, 23):
+        aux, last, ids = store.sample(i)
+        alone = target.capture(torch.tensor([ids]), None, index["aux_layer_ids"])
+        torch.testing.assert_close(aux, alone.aux_hidden[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(last, alone.last_hidden[0], rtol=1e-4, atol=1e-5)
+
+
+def test_training_from_the_store_follows_the_online_loss_curve(collected, tmp_path, fixture_target_dir):
+    recipe, folder = collected
+    online = recipe.model_dump()
+    online["data"]["hidden_states_path"] = None
+    online["output_dir"] = str(tmp_path / "online")
+    train(recipe_from_dict(online), log=lambda *a: None)
+    offline = recipe.model_dump()
+    offline["output_dir"] = str(tmp_path / "offline")
+    lines = []
+    train(recipe_from_dict(offline), log=lambda *a: lines.append(" ".join(a)))
+    assert any("read from" in line and "the target's layers are not run" in line for line in lines)
+    want, got = losses(tmp_path / "online"), losses(tmp_path / "offline")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    evals = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+              if "eval/loss" in line] for d in ("online", "offline")]
+    assert evals[0] and [r["eval/loss"] for r in evals[1]] == pytest.approx([r["eval/loss"] for r in evals[0]],
+                                                                              rel=1e-4)
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import draftsmith.models.checkpoint as ckpt
+    real, calls = ckpt.save_safetensors_atomic, []
+    def save_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the third shard is on disk, its progress record is not
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.save_safetensors_atomic = save_then_die
+    from draftsmith.cli import main
+    sys.exit(main(["collect", sys.argv[1]]))
+""")
+
+
+def test_a_killed_collection_resumes_to_the_same_store(collected, tmp_path, fixture_target_dir):
+    recipe, reference = collected
+    killed = tmp_path / "killed"
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(killed)
+    save_recipe(recipe_from_dict(dump), tmp_path / "recipe.yaml")
+    run = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path / "recipe.yaml")], capture_output=True, text=True)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert not (killed / INDEX).exists()
+    progress = json.loads((killed / "progress-r0.json").read_text())
+    assert len(progress["shards"]) == 2
+    collect(recipe_from_dict(dump), log=lambda *a: None)
+    want, got = (json.loads((f / INDEX).read_text()) for f in (reference, killed))
+    assert got["samples"] == want["samples"]
+    assert got["shards"] == want["shards"]  # the same bytes, by checksum: nothing lost, nothing repeated
+
+
+def copy_store(folder, tmp_path):
+    import shutil
+
+    return shutil.copytree(folder, tmp_path / "copy")
+
+
+def test_a_damaged_shard_is_named(collected, tmp_path):
+    folder = copy_store(collected[1], tmp_path)
+    index = json.loads((folder / INDEX).read_text())
+    name, offset, _ = index["samples"][5]
+    with (folder / name).open("r+b") as f:
+        f.seek(offset + 16)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(StoreError, match=f"{name}: fails its checksum"):
+        HiddenStateStore(folder).sample(5)
+
+
+def test_a_non_finite_sample_is_named(collected, tmp_path):
+    folder = copy_store(collected[1], tmp_path)
+    index = json.loads((folder / INDEX).read_text())
+    name = index["samples"][9][0]
+    tensors = load_file(folder / name)
+    tensors["9.last"][2, 0] = float("nan")
+    save_file(tensors, folder / name, metadata={"format": "pt"})
+    index["shards"][name]["sha256"] = _sha256_file(folder / name)
+    (folder / INDEX).write_text(json.dumps(index))
+    with pytest.raises(StoreError, match=f"{name}: sample 9 holds a non-finite"):
+        HiddenStateStore(folder).sample(9)
+
+
+def test_a_store_of_other_layers_is_refused(collected, tmp_path):
+    recipe, folder = collected
+    dump = recipe.model_dump()
+    dump["model"]["aux_layer_ids"] = [1, 2, 3]
+    dump["output_dir"] = str(tmp_path / "run")
+    with pytest.raises(StoreError, match=r"index.json: aux_layer_ids is \[.*\] but the recipe gives \[1, 2, 3\]"):
+        train(recipe_from_dict(dump), log=lambda *a: None)
+
+
+def test_collect_refuses_a_disk_too_small_and_a_recipe_without_a_store(collected, tmp_path, monkeypatch, capsys):
+    import draftsmith.data.store as store_mod
+
+    recipe, _ = collected
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(tmp_path / "new")
+    monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    with pytest.raises(StoreError, match=r"the store needs about .* GB and the disk has 0.00 GB free"):
+        collect(recipe_from_dict(dump), log=lambda *a: None)
+    assert not (tmp_path / "new" / INDEX).exists()
+    dump["data"]["hidden_states_path"] = None
+    save_recipe(recipe_from_dict(dump), tmp_path / "r.yaml")
+    assert cli_main(["collect", str(tmp_path / "r.yaml")]) == 2
+    assert "collect needs data.hidden_states_path" in capsys.readouterr().err
+
+
+def test_two_ranks_write_disjoint_shards_that_merge_into_the_same_store(collected, tmp_path, fixture_target_dir):
+    """What `accelerate launch -m draftsmith.collect` does on two processes, run here one rank after the other."""
+    from draftsmith.data import prepare_dataset
+    from draftsmith.data.store import collect_rank, store_header, write_index
+    from draftsmith.train.trainer import _load_tokenizer
+
+    recipe, reference = collected
+    tokenizer = _load_tokenizer(recipe.model.target)
+    data = prepare_dataset(recipe.data, tokenizer, log=lambda *a: None)
+    samples = [*data.train, *data.eval]
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32")
+    want = HiddenStateStore(reference)
+    ids = want.index["aux_layer_ids"]
+    header = store_header(recipe.model.target, tokenizer, ids, 384, samples, len(data.train), "float32")
+    folder = tmp_path / "two"
+    for rank in (0, 1):
+        collect_rank(target, ids, samples, folder, header, rank=rank, world=2, max_shard_bytes=SHARD_BYTES,
+                     dtype="float32", batch_tokens=64, log=lambda *a: None)
+    index = write_index(folder, header, len(samples), world=2)
+    assert {name.split("-")[1] for name in index["shards"]} == {"r0", "r1"}
+    assert all((i % 2 == 0) == (shard.startswith("shard-r0")) for i, (shard, _, _) in enumerate(index["samples"]))
+    got = HiddenStateStore(folder)
+    got.check_matches({k: want.index[k] for k in HiddenStateStore.CHECKED})
+    for i in range(len(samples)):
+        for a, b in zip(got.sample(i)[:2], want.sample(i)[:2]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
