@@ -468,6 +468,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     method = method_cls(recipe, target)
     for note in getattr(method, "notes", []):
         log(note)
+    if accelerator.num_processes > 1 and hasattr(method, "count_mean"):
+        method.count_mean = _mean_over_processes  # normalise by the global batch's tokens, not each process's
     stored = _open_store(recipe, tokenizer, target, method, data, log) if recipe.data.hidden_states_path else None
     if stored is not None:
         target.capture = stored  # the methods' capture now reads the store
@@ -620,6 +622,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                 check_health()  # its one transfer is the sync this log line makes anyway
                 now = time.time()
                 seconds = max(now - window_start, 1e-9)
+                if world > 1:  # every process logs at the same steps: the mean loss of the global batch
+                    window_loss = accelerator.reduce(torch.as_tensor(window_loss, device=accelerator.device).clone(),
+                                                     reduction="mean")
                 row = {"step": step, "epoch": state["epoch"], "lr": schedulers[0].get_last_lr()[0],
                        "loss": float(window_loss) / window_micro, "grad_norm": float(grad_norm),
                        "tokens_per_s": window_tokens / seconds,
@@ -668,6 +673,15 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     log(f"done: {state['step']} steps, {state['tokens_seen']} tokens in {(time.time() - started) / 60:.1f} min; "
         f"checkpoint {final}")
     return final
+
+
+def _mean_over_processes(count: torch.Tensor) -> torch.Tensor:
+    """A per-process count's mean over the data-parallel processes (one all-reduce, no host sync)."""
+    import torch.distributed as dist
+
+    total = count.detach().float().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 def _open_store(recipe, tokenizer, target, method, data, log):

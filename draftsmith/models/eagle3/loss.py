@@ -81,8 +81,18 @@ def step_valid(loss_mask, teacher_in_draft, i: int, mask_outside_draft_vocab: bo
     return valid
 
 
+def _denominator(count: torch.Tensor, count_mean=None) -> torch.Tensor:
+    """What a step's loss sum is divided by: its valid positions, or with `count_mean` (data-parallel training)
+    their mean over the processes, so that the gradient the processes average is the one of the global batch."""
+    if count_mean is None:
+        return count.clamp(min=1)
+    mean = count_mean(count)
+    return torch.where(mean > 0, mean, torch.ones_like(mean))
+
+
 def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
-             kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True, doc_ids=None):
+             kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True, doc_ids=None,
+             count_mean=None):
     """Weighted loss over the unrolled steps: sum_i decay**i * L_i (see `position_loss` for the kinds).
 
     step_logits: list of (B, S, V_d) drafter logits; teacher_draft_logits (B, S, V_d); teacher_in_draft (B, S) bool;
@@ -100,7 +110,7 @@ def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, dec
         valid = step_valid(loss_mask, teacher_in_draft, i, mask_outside_draft_vocab, doc_ids)  # (B, S)
         per_pos = position_loss(logits, teacher, kind, lk_eta)  # (B, S)
         count = valid.sum()
-        step_loss = torch.where(valid, per_pos, 0.0).sum() / count.clamp(min=1)
+        step_loss = torch.where(valid, per_pos, 0.0).sum() / _denominator(count, count_mean)
         total = total + (decay ** i) * step_loss
         finite = torch.isfinite(logits).all(-1)
         correct = (logits.argmax(-1) == teacher.argmax(-1)) & valid & finite
@@ -124,7 +134,7 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
 
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
                    kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
-                   chunk_size: int = 1024, doc_ids=None):
+                   chunk_size: int = 1024, doc_ids=None, count_mean=None):
     """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
 
     Positions are flattened to B*S rows and read `chunk_size` at a time; each chunk's logits, float32 softmaxes and
@@ -155,7 +165,7 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
             loss_sum = loss_sum + part_loss
             correct[start:end] = part_correct
         count = valid.sum()
-        step_loss = loss_sum / count.clamp(min=1)
+        step_loss = loss_sum / _denominator(count, count_mean)
         total = total + (decay ** i) * step_loss
         correct = correct.view(b, s)
         correct_steps.append(correct)

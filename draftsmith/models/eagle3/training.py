@@ -23,6 +23,7 @@ class Eagle3Method:
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab,
                                  chunk_size=training.loss_chunk_size)
         self.query_block = training.ttt_query_block
+        self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps
         self.compile_steps = training.compile_drafter
         self.config = Eagle3Config.from_target(
@@ -62,7 +63,7 @@ class Eagle3Method:
         with torch.no_grad():
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
         targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=batch["loss_mask"],
-                       **self.loss_options)
+                       count_mean=self.count_mean, **self.loss_options)
         return drafter(captured.aux_hidden, token_embeds, self.ttt_steps, loss_targets=targets, position_ids=positions,
                        doc_ids=docs)
 
