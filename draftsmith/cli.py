@@ -94,6 +94,18 @@ def _eval(args):
     return run_eval_command(args)
 
 
+def _regenerate_args(p):
+    from draftsmith.data.regenerate import add_regenerate_args
+
+    add_regenerate_args(p)
+
+
+def _regenerate(args):
+    from draftsmith.data.regenerate import run_regenerate
+
+    return run_regenerate(args)
+
+
 def _quickstart_args(p):
     from draftsmith.quickstart import add_quickstart_args
 
@@ -109,6 +121,8 @@ def _quickstart(args):
 COMMANDS = {
     # name: (help, add_arguments, run)
     "train": ("train a drafter from a recipe", _add_train_args, _train),
+    "regenerate": ("replace a dataset's assistant turns with the target's own answers (runtime or server)",
+                   _regenerate_args, _regenerate),
     "collect": ("write the target's hidden states for a recipe's data into a store (data.hidden_states_path)",
                 _add_train_args, _collect),
     "export": ("export a checkpoint for vLLM / SGLang", _export_args, _export),

