@@ -126,7 +126,7 @@ class CollectConfig(BaseModel):
     model_config = _STRICT
 
     max_shard_bytes: int = Field(2_000_000_000, ge=1)  # a shard is closed once it holds about this much
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = "bfloat16"  # fp8: with a float32 scale per token
     batch_tokens: int = Field(16384, ge=16)  # padded tokens per target forward (samples sorted by length)
 
 

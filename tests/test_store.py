@@ -192,3 +192,37 @@ def test_two_ranks_write_disjoint_shards_that_merge_into_the_same_store(collecte
     for i in range(len(samples)):
         for a, b in zip(got.sample(i)[:2], want.sample(i)[:2]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_from_a_store_loads_only_the_targets_head_and_embeddings(fixture_target_dir):
+    full = TargetModel.from_pretrained(fixture_target_dir, dtype="float32")
+    light = TargetModel.head_and_embeddings(fixture_target_dir, dtype="float32")
+    assert torch.equal(light.embed_tokens.weight, full.embed_tokens.weight)
+    assert torch.equal(light.lm_head.weight, full.lm_head.weight)
+    assert all(p.is_meta for p in light.layers.parameters())  # the decoder layers take no memory
+    assert (light.device, light.dtype) == (torch.device("cpu"), torch.float32)
+
+
+def test_an_fp8_store_is_a_quarter_of_float32_within_fp8_rounding_and_trains(collected, tmp_path):
+    recipe, reference = collected
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(tmp_path / "fp8")
+    dump["collect"]["dtype"] = "float8_e4m3fn"
+    dump["output_dir"] = str(tmp_path / "run")
+    fp8_recipe = recipe_from_dict(dump)
+    collect(fp8_recipe, log=lambda *a: None)
+    want, got = HiddenStateStore(reference), HiddenStateStore(tmp_path / "fp8")
+    assert got.index["bytes"] < 0.3 * want.index["bytes"]
+    for i in (0, 11):
+        for a, b in zip(got.sample(i)[:2], want.sample(i)[:2]):
+            row_max = b.abs().amax(-1, keepdim=True)
+            assert ((a - b).abs() <= row_max / 16 + 1e-6).all()  # 3 mantissa bits: half an ulp at most 2^-4
+            assert not torch.equal(a, b)
+    train(fp8_recipe, log=lambda *a: None)
+    dump["data"]["hidden_states_path"] = None
+    dump["output_dir"] = str(tmp_path / "online")
+    train(recipe_from_dict(dump), log=lambda *a: None)
+    from_fp8, online = losses(tmp_path / "run"), losses(tmp_path / "online")
+    assert sorted(from_fp8) == sorted(online) == [1, 2, 3, 4, 5, 6]
+    for step in online:  # fp8 rounding moves the loss a little, not the run
+        assert from_fp8[step] == pytest.approx(online[step], rel=0.05), step

@@ -36,7 +36,22 @@ STORE_FORMAT = "draftsmith-hidden-states/1"
 INDEX = "index.json"
 AUX_CONVENTION = ("capture id k = the residual stream entering decoder layer k (output_hidden_states[k]); "
                   "id L = the input of the final norm")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # the largest float8_e4m3fn value: each row is scaled so its largest magnitude lands there
+
+
+def quantize_rows(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A sample's (L, D) states as stored: cast, or for float8_e4m3fn the fp8 values plus a float32 scale per row
+    (per token: one outlier token does not flatten the rest)."""
+    if dtype != "float8_e4m3fn":
+        return {"": x.to(_DTYPES[dtype])}
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # (L, 1)
+    return {"": (x / scale).to(torch.float8_e4m3fn), "_scale": scale}
+
+
+def dequantize_rows(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return values if scale is None else values.float() * scale
 
 
 class StoreError(ValueError):
@@ -107,7 +122,8 @@ def store_header(target_name: str, tokenizer, aux_layer_ids: list[int], hidden_s
 
 
 def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
-    return (num_aux + 1) * hidden_size * _DTYPES[dtype].itemsize + 4 + 1  # aux + last, int32 id, int8 mask
+    scales = 2 * 4 if dtype == "float8_e4m3fn" else 0  # a float32 scale per row of aux and of last
+    return (num_aux + 1) * hidden_size * _DTYPES[dtype].itemsize + scales + 4 + 1  # + int32 id, int8 mask
 
 
 def _sha256_file(path: Path) -> str:
@@ -174,7 +190,6 @@ def collect_rank(target, aux_layer_ids: list[int], samples, folder: Path, header
     todo = [b for b in batches if b[0] not in done]  # shards end at batch boundaries: a batch is all done or not
     if done:
         log(f"collect: resuming rank {rank} after {len(progress['shards'])} shards ({len(done)} samples)")
-    store_dtype = _DTYPES[dtype]
     pending: dict[str, torch.Tensor] = {}
     pending_ids: list[int] = []
     pending_bytes = 0
@@ -200,15 +215,16 @@ def collect_rank(target, aux_layer_ids: list[int], samples, folder: Path, header
                 ids[row, :lengths[i]] = torch.tensor(samples[i].input_ids)
                 mask[row, :lengths[i]] = 1
             states = target.capture(ids.to(target.device), mask.to(target.device), aux_layer_ids)
-            aux = states.aux_hidden.to("cpu", store_dtype)
-            last = states.last_hidden.to("cpu", store_dtype)
+            aux = states.aux_hidden.to("cpu")
+            last = states.last_hidden.to("cpu")
             for row, i in enumerate(batch):
                 n = lengths[i]
                 if not (torch.isfinite(aux[row, :n]).all() and torch.isfinite(last[row, :n]).all()):
                     raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or "
                                      "inf): its weights hold a NaN, or it overflows (try model.dtype=float32)")
-                pending[f"{i}.aux"] = aux[row, :n].clone()
-                pending[f"{i}.last"] = last[row, :n].clone()
+                for kind, value in (("aux", aux[row, :n]), ("last", last[row, :n])):
+                    for suffix, tensor in quantize_rows(value, dtype).items():
+                        pending[f"{i}.{kind}{suffix}"] = tensor.clone()
                 pending[f"{i}.input_ids"] = torch.tensor(samples[i].input_ids, dtype=torch.int32)
                 pending[f"{i}.loss_mask"] = torch.tensor(samples[i].loss_mask, dtype=torch.int8)
                 pending_ids.append(i)
@@ -307,7 +323,9 @@ class HiddenStateStore:
             raise StoreError(f"{self.folder / INDEX}: no sample {i} (the store holds {self.index['num_samples']})")
         name = self.index["samples"][i][0]
         shard = self._shard(name)
-        aux, last = shard.get_tensor(f"{i}.aux"), shard.get_tensor(f"{i}.last")
+        fp8 = self.index.get("dtype") == "float8_e4m3fn"
+        aux, last = (dequantize_rows(shard.get_tensor(f"{i}.{kind}"),
+                                     shard.get_tensor(f"{i}.{kind}_scale") if fp8 else None) for kind in ("aux", "last"))
         if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
             raise StoreError(f"{self.folder / name}: sample {i} holds a non-finite (NaN or inf) hidden state")
         return aux, last, shard.get_tensor(f"{i}.input_ids").tolist()

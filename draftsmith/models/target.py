@@ -150,6 +150,42 @@ class TargetModel:
             raise TargetError(f"cannot load target model from {path}: {first}") from e
         return cls(model.to(device), name_or_path=str(path), compile_layers=compile_layers)
 
+    @classmethod
+    def head_and_embeddings(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None
+                            ) -> "TargetModel":
+        """The target without its decoder layers: every weight on the meta device (no memory) except the input
+        embeddings and the head, read from its safetensors files. What training from a hidden-state store needs
+        (token embeddings, the teacher's head); any call that runs the layers fails."""
+        import json
+
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        device = dev.get_device(device) if not isinstance(device, torch.device) else device
+        torch_dtype = dev.resolve_dtype(dtype, device)
+        config = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        names = {module: name for name, module in model.named_modules()}
+        wanted = {f"{names[model.get_input_embeddings()]}.weight": model.get_input_embeddings(),
+                  f"{names[model.get_output_embeddings()]}.weight": model.get_output_embeddings()}
+        index = _target_file(path, "model.safetensors.index.json")
+        weight_map = json.loads(index.read_text())["weight_map"] if index is not None else {
+            key: "model.safetensors" for key in wanted}
+        for key, module in wanted.items():
+            if key not in weight_map and getattr(config, "tie_word_embeddings", False):
+                continue  # a tied head: shares the embedding below
+            shard = _target_file(path, weight_map[key]) if key in weight_map else None
+            if shard is None:
+                raise TargetError(f"{path}: no weight {key} in its safetensors files")
+            with safe_open(str(shard), framework="pt") as f:
+                module.weight = nn.Parameter(f.get_tensor(key).to(device, torch_dtype), requires_grad=False)
+        if getattr(config, "tie_word_embeddings", False):
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        target = cls(model.eval(), name_or_path=str(path), compile_layers=False)
+        target.device, target.dtype = device, torch_dtype
+        return target
+
     # ---- pieces the drafters share -------------------------------------------------------------
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -488,3 +524,20 @@ def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, e
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _target_file(path: str | Path, filename: str) -> Path | None:
+    """One file of the target: in its local folder, or fetched alone from the Hugging Face Hub; None if absent."""
+    if Path(path).is_dir():
+        local = Path(path) / filename
+        return local if local.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(str(path), filename))
+    except EntryNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - one line naming the target
+        raise TargetError(f"cannot load {filename} of the target {path}: {str(e).splitlines()[0] if str(e) else e}"
+                          ) from e

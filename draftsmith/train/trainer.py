@@ -296,7 +296,7 @@ def drop_replayed_rows(metrics_path: Path, step: int) -> None:
 def check_target_weights(target, source: str) -> None:
     """Refuse a target holding a NaN or inf weight (one pass and one sync, at load): it yields NaN features, or, in
     its lm_head, NaN teacher rows that EAGLE-3's draft-vocabulary mask would drop without a word."""
-    params = [(name, p) for name, p in target.model.named_parameters() if p.is_floating_point()]
+    params = [(name, p) for name, p in target.model.named_parameters() if p.is_floating_point() and not p.is_meta]
     finite = torch.stack([torch.isfinite(p).all() for _, p in params]).cpu().tolist()
     bad = [name for (name, _), ok in zip(params, finite) if not ok]
     if bad:
@@ -454,8 +454,11 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         raise TrainingError(f"{recipe.data.path}: no training samples left after filtering")
     target_dtype = recipe.model.dtype if recipe.model.dtype != "auto" else (
         "bfloat16" if mixed == "bf16" else "float32")
-    target = TargetModel.from_pretrained(recipe.model.target, dtype=target_dtype, device=accelerator.device,
-                                         attn_implementation=recipe.model.attn_implementation)
+    if recipe.data.hidden_states_path:  # the store holds what the layers would compute: load only what it needs
+        target = TargetModel.head_and_embeddings(recipe.model.target, dtype=target_dtype, device=accelerator.device)
+    else:
+        target = TargetModel.from_pretrained(recipe.model.target, dtype=target_dtype, device=accelerator.device,
+                                             attn_implementation=recipe.model.attn_implementation)
     check_target_weights(target, recipe.model.target)
     check_tokenizer_fits(len(tokenizer), target.vocab_size, recipe.model.target)
     uses_draft_vocab = recipe.model.method == "eagle3"
