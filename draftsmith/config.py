@@ -100,6 +100,9 @@ class DataConfig(BaseModel):
     # A hidden-state store written by `draftsmith collect` (data/store.py): training reads the target's states
     # from it instead of running the target; None = capture them online
     hidden_states_path: str | None = None
+    # The hybrid: the first epoch runs the target and also writes its states into this store, later epochs (and
+    # reruns) read it; resumable across a kill. Not with hidden_states_path.
+    hidden_states_cache: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -108,6 +111,9 @@ class DataConfig(BaseModel):
                 f"data.eval_samples ({self.eval_samples}) leaves no training records out of "
                 f"data.max_samples ({self.max_samples}): lower data.eval_samples or raise data.max_samples"
             )
+        if self.hidden_states_path and self.hidden_states_cache:
+            raise ValueError("data.hidden_states_path reads a finished store and data.hidden_states_cache builds one: "
+                             "set one of them")
         if self.path == "sharegpt" and self.format in ("jsonl", "hf"):
             raise ValueError(
                 f"data.path 'sharegpt' names the bundled ShareGPT set, not a {self.format} source: "

@@ -226,3 +226,60 @@ def test_an_fp8_store_is_a_quarter_of_float32_within_fp8_rounding_and_trains(col
     assert sorted(from_fp8) == sorted(online) == [1, 2, 3, 4, 5, 6]
     for step in online:  # fp8 rounding moves the loss a little, not the run
         assert from_fp8[step] == pytest.approx(online[step], rel=0.05), step
+
+
+def cache_recipe(collected, tmp_path, name, **training):
+    recipe, _ = collected
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = None
+    dump["data"]["hidden_states_cache"] = str(tmp_path / "cache")
+    dump["training"].update({"max_steps": 12, "save_every": 3, "eval_every": 5, **training})  # 5 steps an epoch
+    dump["output_dir"] = str(tmp_path / name)
+    return recipe_from_dict(dump)
+
+
+def online_losses(collected, tmp_path):
+    dump = cache_recipe(collected, tmp_path, "online").model_dump()
+    dump["data"]["hidden_states_cache"] = None
+    train(recipe_from_dict(dump), log=lambda *a: None)
+    return losses(tmp_path / "online")
+
+
+def test_the_hybrid_cache_writes_the_first_epoch_and_later_epochs_read_it(collected, tmp_path):
+    lines = []
+    train(cache_recipe(collected, tmp_path, "hybrid"), log=lambda *a: lines.append(" ".join(a)))
+    assert any("the first epoch also writes them" in line for line in lines)
+    assert any("read from" in line and "cache" in line for line in lines)  # epochs 2 and 3
+    index = json.loads((tmp_path / "cache" / INDEX).read_text())
+    assert index["num_samples"] == 24 and not list((tmp_path / "cache").glob("progress-*"))
+    want, got = online_losses(collected, tmp_path), losses(tmp_path / "hybrid")
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    lines.clear()
+    again = cache_recipe(collected, tmp_path, "rerun")
+    train(again, log=lambda *a: lines.append(" ".join(a)))  # a complete cache: read from the first step
+    assert any("the target's layers are not run" in line for line in lines)
+
+
+def test_a_run_killed_in_the_first_epoch_resumes_its_cache(collected, tmp_path, monkeypatch):
+    from draftsmith.train import trainer as trainer_mod
+
+    real_save = trainer_mod.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt  # killed right after the step-3 checkpoint, inside the first epoch
+
+    recipe = cache_recipe(collected, tmp_path, "hybrid")
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe, log=lambda *a: None)
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    assert not (tmp_path / "cache" / INDEX).exists() and list((tmp_path / "cache").glob("progress-r0.json"))
+    train(recipe, log=lambda *a: None)
+    index = json.loads((tmp_path / "cache" / INDEX).read_text())  # write_index refuses a sample twice
+    assert index["num_samples"] == 24
+    want, got = online_losses(collected, tmp_path), losses(tmp_path / "hybrid")
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step

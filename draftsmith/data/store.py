@@ -163,77 +163,107 @@ def _progress_path(folder: Path, rank: int) -> Path:
     return folder / f"progress-r{rank}.json"
 
 
-def collect_rank(target, aux_layer_ids: list[int], samples, folder: Path, header: dict, *, rank: int = 0,
-                 world: int = 1, max_shard_bytes: int, dtype: str, batch_tokens: int,
-                 log: Callable[[str], None] = print) -> None:
-    """Write this rank's share of the store (samples rank, rank + world, ...) as shards, resuming its progress."""
+class ShardWriter:
+    """One rank's shards and progress record: rows are added a sample at a time, a shard is written (atomically)
+    once a batch leaves it past `max_shard_bytes`, and only then recorded in progress-r{rank}.json. Reopening
+    the folder with the same `plan` resumes: shards on record are kept, anything after them is redone."""
+
+    def __init__(self, folder: Path, rank: int, plan: dict, dtype: str, max_shard_bytes: int, what: str):
+        from draftsmith.models.checkpoint import write_json_atomic
+
+        self._write_json = write_json_atomic
+        self.folder, self.rank, self.dtype, self.max_shard_bytes = folder, rank, dtype, max_shard_bytes
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f".shard-r{rank}-*.tmp-*"):  # a shard a killed run was writing
+            stale.unlink(missing_ok=True)
+        digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+        self.progress_file = _progress_path(folder, rank)
+        self.progress = {"format": STORE_FORMAT, "plan_sha256": digest, "rank": rank, "shards": []}
+        if self.progress_file.is_file():
+            previous = json.loads(self.progress_file.read_text())
+            if previous.get("plan_sha256") != digest:
+                raise StoreError(f"{self.progress_file}: {what} with another target, data, layers or collect "
+                                 "settings was started in this folder: give it a new folder")
+            self.progress["shards"] = [s for s in previous["shards"] if (folder / s["name"]).is_file()
+                                       and (folder / s["name"]).stat().st_size == s["bytes"]]
+        self.done = {i for shard in self.progress["shards"] for i, _, _ in shard["samples"]}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_ids: list[tuple[int, int]] = []  # (sample id, length)
+        self._pending_bytes = 0
+
+    def add(self, i: int, aux: torch.Tensor, last: torch.Tensor, input_ids: list[int], loss_mask: list[int]) -> None:
+        """Sample i's states (L, n*H) and (L, H), checked finite, into the open shard."""
+        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+            raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or inf): its "
+                             "weights hold a NaN, or it overflows (try model.dtype=float32)")
+        for kind, value in (("aux", aux), ("last", last)):
+            for suffix, tensor in quantize_rows(value.to("cpu"), self.dtype).items():
+                self._pending[f"{i}.{kind}{suffix}"] = tensor.clone()
+        self._pending[f"{i}.input_ids"] = torch.tensor(input_ids, dtype=torch.int32)
+        self._pending[f"{i}.loss_mask"] = torch.tensor(loss_mask, dtype=torch.int8)
+        self._pending_ids.append((i, len(input_ids)))
+        self._pending_bytes += len(input_ids) * bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1],
+                                                                self.dtype)
+        self.done.add(i)
+
+    def end_batch(self) -> None:
+        """A batch boundary: write the open shard if it is full."""
+        if self._pending_bytes >= self.max_shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from draftsmith.models.checkpoint import save_safetensors_atomic
+
+        if not self._pending_ids:
+            return
+        name = f"shard-r{self.rank}-{len(self.progress['shards']):05d}.safetensors"
+        path = self.folder / name
+        save_safetensors_atomic(self._pending, path)  # one metadata key: safetensors orders several at random
+        offsets = _aux_offsets(path)
+        self.progress["shards"].append({"name": name, "sha256": _sha256_file(path), "bytes": path.stat().st_size,
+                                        "samples": [[i, offsets[str(i)], n] for i, n in self._pending_ids]})
+        self._write_json(self.progress, self.progress_file)  # the shard counts as done only from here
+        self._pending, self._pending_ids, self._pending_bytes = {}, [], 0
+
+
+def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches: list[list[int]],
+                    writer: ShardWriter, desc: str = "collect") -> None:
+    """Run the target's `capture` over `batches` of sample ids (right-padded) and add every sample to `writer`."""
     from tqdm.auto import tqdm
 
-    from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_atomic
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(f".shard-r{rank}-*.tmp-*"):  # a shard a killed run was writing
-        stale.unlink(missing_ok=True)
-    lengths = [len(s.input_ids) for s in samples]
-    batches = plan_batches(list(range(rank, len(samples), world)), lengths, batch_tokens)
-    plan = hashlib.sha256(json.dumps([header, rank, world, max_shard_bytes, dtype, batches]).encode()).hexdigest()
-    progress_file = _progress_path(folder, rank)
-    progress = {"format": STORE_FORMAT, "plan_sha256": plan, "rank": rank, "world": world, "shards": []}
-    if progress_file.is_file():
-        previous = json.loads(progress_file.read_text())
-        if previous.get("plan_sha256") != plan:
-            raise StoreError(f"{progress_file}: a collection with another target, data, layers or collect settings "
-                             "was started in this folder: give data.hidden_states_path a new folder")
-        progress["shards"] = [s for s in previous["shards"] if (folder / s["name"]).is_file()
-                              and (folder / s["name"]).stat().st_size == s["bytes"]]
-    done = {i for shard in progress["shards"] for i, _, _ in shard["samples"]}
-    todo = [b for b in batches if b[0] not in done]  # shards end at batch boundaries: a batch is all done or not
-    if done:
-        log(f"collect: resuming rank {rank} after {len(progress['shards'])} shards ({len(done)} samples)")
-    pending: dict[str, torch.Tensor] = {}
-    pending_ids: list[int] = []
-    pending_bytes = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_ids, pending_bytes
-        name = f"shard-r{rank}-{len(progress['shards']):05d}.safetensors"
-        path = folder / name
-        save_safetensors_atomic(pending, path)  # one metadata key: safetensors orders several at random
-        offsets = _aux_offsets(path)
-        progress["shards"].append({"name": name, "sha256": _sha256_file(path), "bytes": path.stat().st_size,
-                                   "samples": [[i, offsets[str(i)], lengths[i]] for i in pending_ids]})
-        write_json_atomic(progress, progress_file)  # the shard counts as done only from here
-        pending, pending_ids, pending_bytes = {}, [], 0
-
-    tokens = sum(lengths[i] for b in todo for i in b)
-    with torch.no_grad(), tqdm(total=tokens, unit="tok", desc=f"collect r{rank}", disable=not todo) as bar:
-        for batch in todo:
-            width = lengths[batch[0]]
+    lengths = {i: len(samples[i].input_ids) for batch in batches for i in batch}
+    with torch.no_grad(), tqdm(total=sum(lengths.values()), unit="tok", desc=desc, disable=not batches) as bar:
+        for batch in batches:
+            width = max(lengths[i] for i in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for row, i in enumerate(batch):
                 ids[row, :lengths[i]] = torch.tensor(samples[i].input_ids)
                 mask[row, :lengths[i]] = 1
-            states = target.capture(ids.to(target.device), mask.to(target.device), aux_layer_ids)
-            aux = states.aux_hidden.to("cpu")
-            last = states.last_hidden.to("cpu")
+            states = capture(ids.to(device), mask.to(device), aux_layer_ids)
+            aux, last = states.aux_hidden.to("cpu"), states.last_hidden.to("cpu")
             for row, i in enumerate(batch):
-                n = lengths[i]
-                if not (torch.isfinite(aux[row, :n]).all() and torch.isfinite(last[row, :n]).all()):
-                    raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or "
-                                     "inf): its weights hold a NaN, or it overflows (try model.dtype=float32)")
-                for kind, value in (("aux", aux[row, :n]), ("last", last[row, :n])):
-                    for suffix, tensor in quantize_rows(value, dtype).items():
-                        pending[f"{i}.{kind}{suffix}"] = tensor.clone()
-                pending[f"{i}.input_ids"] = torch.tensor(samples[i].input_ids, dtype=torch.int32)
-                pending[f"{i}.loss_mask"] = torch.tensor(samples[i].loss_mask, dtype=torch.int8)
-                pending_ids.append(i)
-                pending_bytes += n * bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1], dtype)
+                writer.add(i, aux[row, :lengths[i]], last[row, :lengths[i]], samples[i].input_ids,
+                           samples[i].loss_mask)
+            writer.end_batch()
             bar.update(sum(lengths[i] for i in batch))
-            if pending_bytes >= max_shard_bytes:
-                flush()
-    if pending_ids:
-        flush()
+    writer.flush()
+
+
+def collect_rank(target, aux_layer_ids: list[int], samples, folder: Path, header: dict, *, rank: int = 0,
+                 world: int = 1, max_shard_bytes: int, dtype: str, batch_tokens: int,
+                 log: Callable[[str], None] = print) -> None:
+    """Write this rank's share of the store (samples rank, rank + world, ...) as shards, resuming its progress."""
+    lengths = [len(s.input_ids) for s in samples]
+    batches = plan_batches(list(range(rank, len(samples), world)), lengths, batch_tokens)
+    plan = {"header": header, "rank": rank, "world": world, "max_shard_bytes": max_shard_bytes, "dtype": dtype,
+            "batches": batches}
+    writer = ShardWriter(folder, rank, plan, dtype, max_shard_bytes, "a collection")
+    if writer.done:
+        log(f"collect: resuming rank {rank} after {len(writer.progress['shards'])} shards ({len(writer.done)} "
+            "samples)")
+    todo = [b for b in batches if b[0] not in writer.done]  # shards end at batch boundaries: all done or not
+    capture_samples(target.capture, target.device, aux_layer_ids, samples, todo, writer, desc=f"collect r{rank}")
 
 
 def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dict:
@@ -250,6 +280,8 @@ def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dic
             shards[shard["name"]] = {"sha256": shard["sha256"], "bytes": shard["bytes"],
                                      "samples": len(shard["samples"])}
             for i, offset, length in shard["samples"]:
+                if samples[i] is not None:
+                    raise StoreError(f"{folder}: sample {i} is in two shards ({samples[i][0]}, {shard['name']})")
                 samples[i] = [shard["name"], offset, length]
     missing = [i for i, s in enumerate(samples) if s is None]
     if missing:
@@ -382,3 +414,54 @@ class StoredCapture:
             raise RuntimeError(f"StoredCapture: stored states {tuple(states.aux_hidden.shape[:2])} do not fit the "
                                f"batch {tuple(input_ids.shape)}")
         return states
+
+
+class CachingCapture:
+    """`data.hidden_states_cache` in the first epoch: the target's capture, and the states of the samples the trainer
+    selects also go into the cache's shards (each sample once, also across a resumed run). `finish` completes the
+    store at the end of the epoch; later epochs read it (StoredCapture)."""
+
+    def __init__(self, capture, folder: Path, header: dict, samples, rank: int, dtype: str, max_shard_bytes: int):
+        plan = {"header": header, "rank": rank, "cache": True, "dtype": dtype, "max_shard_bytes": max_shard_bytes}
+        self.writer = ShardWriter(folder, rank, plan, dtype, max_shard_bytes, "a hidden-state cache")
+        self.folder, self.header, self.samples, self.rank = folder, header, samples, rank
+        self._capture = capture
+        self._selected: list[int] | None = None
+
+    def select(self, store_ids, input_ids=None) -> None:
+        self._selected = list(store_ids)
+
+    def __call__(self, input_ids, attention_mask=None, aux_layer_ids=None, position_ids=None):
+        states = self._capture(input_ids, attention_mask, aux_layer_ids, position_ids=position_ids)
+        ids, self._selected = self._selected, None
+        if ids is None:
+            return states
+        packed = position_ids is not None and attention_mask is None
+        aux, last = states.aux_hidden.detach(), states.last_hidden.detach()
+        start = 0
+        for row, i in enumerate(ids):
+            sample = self.samples[i]
+            n = len(sample.input_ids)
+            a, h = (aux[0, start:start + n], last[0, start:start + n]) if packed else (aux[row, :n], last[row, :n])
+            start += n
+            if i not in self.writer.done:
+                self.writer.add(i, a, h, sample.input_ids, sample.loss_mask)
+        self.writer.end_batch()
+        return states
+
+    def finish(self, device, aux_layer_ids: list[int], world: int, batch_tokens: int, barrier) -> None:
+        """Flush, capture what no micro-batch brought (held-out samples, the tail of the epoch, batches lost to a
+        kill) split over the ranks, then (rank 0) the index."""
+        self.writer.flush()
+        barrier()
+        seen = set()
+        for path in self.folder.glob("progress-r*.json"):
+            seen |= {i for shard in json.loads(path.read_text())["shards"] for i, _, _ in shard["samples"]}
+        missing = [i for i in range(len(self.samples)) if i not in seen][self.rank::world]
+        lengths = [len(s.input_ids) for s in self.samples]
+        capture_samples(self._capture, device, aux_layer_ids, self.samples,
+                        plan_batches(missing, lengths, batch_tokens), self.writer, desc="cache")
+        barrier()
+        if self.rank == 0:
+            write_index(self.folder, self.header, len(self.samples), world)
+        barrier()

@@ -40,6 +40,10 @@ class FeatureCheck:
             self.rows_ok = finite.all(-1)  # (B,)
         return states
 
+    def replace(self, capture: Callable) -> None:
+        """Check another capture from now on (a hidden-state cache that was written and is read now)."""
+        self._capture = capture
+
     def take(self) -> torch.Tensor | None:
         rows_ok, self.rows_ok = self.rows_ok, None
         return rows_ok

@@ -454,7 +454,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         raise TrainingError(f"{recipe.data.path}: no training samples left after filtering")
     target_dtype = recipe.model.dtype if recipe.model.dtype != "auto" else (
         "bfloat16" if mixed == "bf16" else "float32")
-    if recipe.data.hidden_states_path:  # the store holds what the layers would compute: load only what it needs
+    store_dir = recipe.data.hidden_states_path or _complete_cache(recipe.data.hidden_states_cache)
+    if store_dir:  # the store holds what the layers would compute: load only what it needs
         target = TargetModel.head_and_embeddings(recipe.model.target, dtype=target_dtype, device=accelerator.device)
     else:
         target = TargetModel.from_pretrained(recipe.model.target, dtype=target_dtype, device=accelerator.device,
@@ -473,9 +474,13 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         log(note)
     if accelerator.num_processes > 1 and hasattr(method, "count_mean"):
         method.count_mean = _mean_over_processes  # normalise by the global batch's tokens, not each process's
-    stored = _open_store(recipe, tokenizer, target, method, data, log) if recipe.data.hidden_states_path else None
+    stored = _open_store(store_dir, recipe, tokenizer, target, method, data, log) if store_dir else None
+    caching = None
+    if stored is None and recipe.data.hidden_states_cache:  # the hybrid's first epoch: capture and write
+        caching = _start_cache(recipe, tokenizer, target, method, data, accelerator.process_index, log)
+        stored = caching  # selects samples like a store
     if stored is not None:
-        target.capture = stored  # the methods' capture now reads the store
+        target.capture = stored  # the methods' capture now reads (or, first epoch of a cache, writes) the store
     features = FeatureCheck(target.capture)
     target.capture = features  # the methods capture inside their loss; this records which rows came out finite
     with accelerator.main_process_first():
@@ -664,6 +669,12 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                     log(f"stopping: training.max_minutes={cfg.max_minutes} reached at step {step}")
                 break
         else:
+            if caching is not None:  # the first epoch is over: complete the cache, then read it
+                caching.finish(accelerator.device, method.aux_layer_ids, world, recipe.collect.batch_tokens,
+                               accelerator.wait_for_everyone)
+                stored = _open_store(recipe.data.hidden_states_cache, recipe, tokenizer, target, method, data, log)
+                features.replace(stored)
+                caching = None
             state["epoch"] += 1
             state["micro_batches_done"] = 0
             stop = cfg.max_steps is None and state["epoch"] >= cfg.epochs
@@ -687,11 +698,33 @@ def _mean_over_processes(count: torch.Tensor) -> torch.Tensor:
     return total / dist.get_world_size()
 
 
-def _open_store(recipe, tokenizer, target, method, data, log):
-    """The store data.hidden_states_path names, checked against this recipe; the capture that reads it."""
+def _complete_cache(folder: str | None) -> str | None:
+    from draftsmith.data.store import INDEX
+
+    return folder if folder and (Path(folder).expanduser() / INDEX).is_file() else None
+
+
+def _start_cache(recipe, tokenizer, target, method, data, rank: int, log):
+    """data.hidden_states_cache, not complete yet: the capture that also writes the first epoch's states."""
+    from draftsmith.data.store import CachingCapture, store_header
+
+    samples = [*data.train, *data.eval]
+    header = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, target.config.hidden_size, samples,
+                          len(data.train), recipe.collect.dtype)
+    folder = Path(recipe.data.hidden_states_cache).expanduser()
+    cache = CachingCapture(target.capture, folder, header, samples, rank, recipe.collect.dtype,
+                           recipe.collect.max_shard_bytes)
+    log(f"hidden states: the first epoch also writes them to {folder}"
+        + (f" (resuming: {len(cache.writer.done)} samples there)" if cache.writer.done else "")
+        + "; later epochs read them")
+    return cache
+
+
+def _open_store(folder, recipe, tokenizer, target, method, data, log):
+    """The store in `folder`, checked against this recipe; the capture that reads it."""
     from draftsmith.data.store import HiddenStateStore, StoredCapture, store_header
 
-    store = HiddenStateStore(recipe.data.hidden_states_path)
+    store = HiddenStateStore(Path(folder).expanduser())
     samples = [*data.train, *data.eval]
     expected = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, target.config.hidden_size,
                             samples, len(data.train), store.index.get("dtype"))

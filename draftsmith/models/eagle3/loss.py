@@ -90,6 +90,13 @@ def _denominator(count: torch.Tensor, count_mean=None) -> torch.Tensor:
     return torch.where(mean > 0, mean, torch.ones_like(mean))
 
 
+def _record_step(metrics: dict, i: int, step_loss, correct, count) -> None:
+    """Step i's metrics: its loss, top-1 accuracy over its valid positions, and their count (0-dim, no sync)."""
+    metrics[f"loss_{i}"] = step_loss.detach()
+    metrics[f"acc_{i}"] = correct.sum() / count.clamp(min=1)
+    metrics[f"count_{i}"] = count
+
+
 def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
              kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True, doc_ids=None,
              count_mean=None):
@@ -116,9 +123,7 @@ def ttt_loss(step_logits, teacher_draft_logits, teacher_in_draft, loss_mask, dec
         correct = (logits.argmax(-1) == teacher.argmax(-1)) & valid & finite
         correct_steps.append(correct)
         valid_steps.append(valid)
-        metrics[f"loss_{i}"] = step_loss.detach()
-        metrics[f"acc_{i}"] = correct.sum() / count.clamp(min=1)
-        metrics[f"count_{i}"] = count
+        _record_step(metrics, i, step_loss, correct, count)
     metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid_steps[0])
     return total, metrics
 
@@ -170,9 +175,7 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
         correct = correct.view(b, s)
         correct_steps.append(correct)
         valid_steps.append(valid)
-        metrics[f"loss_{i}"] = step_loss.detach()
-        metrics[f"acc_{i}"] = correct.sum() / count.clamp(min=1)
-        metrics[f"count_{i}"] = count
+        _record_step(metrics, i, step_loss, correct, count)
     metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid_steps[0])
     return total, metrics
 
