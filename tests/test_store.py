@@ -283,3 +283,47 @@ def test_a_run_killed_in_the_first_epoch_resumes_its_cache(collected, tmp_path, 
     want, got = online_losses(collected, tmp_path), losses(tmp_path / "hybrid")
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_mtp_and_dflash_train_from_a_store_as_online(method, tmp_path, fixture_target_dir):
+    dump = store_recipe(fixture_target_dir, tmp_path, tmp_path / "store").model_dump()
+    dump["model"]["method"] = method
+    dump["model"]["draft_vocab_size"] = None
+    offline = recipe_from_dict({**dump, "output_dir": str(tmp_path / "offline")})
+    collect(offline, log=lambda *a: None)
+    train(offline, log=lambda *a: None)
+    dump["data"]["hidden_states_path"] = None
+    train(recipe_from_dict({**dump, "output_dir": str(tmp_path / "online")}), log=lambda *a: None)
+    want, got = losses(tmp_path / "online"), losses(tmp_path / "offline")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+TWO_RANK_COLLECT = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                    "127.0.0.1", "-m", "draftsmith.collect"]
+
+
+def test_two_processes_collect_disjoint_shards_into_one_store(collected, tmp_path):
+    """accelerate launch -m draftsmith.collect on two (CPU, gloo) processes, launched by torchrun."""
+    import os
+    import socket
+
+    recipe, reference = collected
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(tmp_path / "two")
+    save_recipe(recipe_from_dict(dump), tmp_path / "r.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cmd = [*TWO_RANK_COLLECT[:-2], "--master_port", str(port), *TWO_RANK_COLLECT[-2:], str(tmp_path / "r.yaml")]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got, want = HiddenStateStore(tmp_path / "two"), HiddenStateStore(reference)
+    assert {name.split("-")[1] for name in got.index["shards"]} == {"r0", "r1"}
+    got.check_matches({k: want.index[k] for k in HiddenStateStore.CHECKED})
+    for i in range(want.index["num_samples"]):  # other batches and thread counts: float32 rounding apart
+        for a, b in zip(got.sample(i)[:2], want.sample(i)[:2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)

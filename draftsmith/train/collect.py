@@ -14,7 +14,7 @@ from draftsmith.config import Recipe, RecipeError, load_recipe
 
 
 def collect(recipe: Recipe, log=print) -> Path:
-    from accelerate import PartialState
+    from accelerate import Accelerator
 
     from draftsmith.data import prepare_dataset
     from draftsmith.data.store import (
@@ -32,7 +32,7 @@ def collect(recipe: Recipe, log=print) -> Path:
     if not recipe.data.hidden_states_path:
         raise RecipeError("collect needs data.hidden_states_path: the folder to write the hidden-state store into")
     folder = Path(recipe.data.hidden_states_path).expanduser()
-    state = PartialState()
+    state = Accelerator()  # as the trainer starts it: reads the launcher's settings (ACCELERATE_USE_CPU too)
     rank, world = state.process_index, state.num_processes
     log = log if state.is_main_process else (lambda *a, **k: None)
     tokenizer = _load_tokenizer(recipe.model.target)
