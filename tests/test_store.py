@@ -157,7 +157,7 @@ def test_collect_refuses_a_disk_too_small_and_a_recipe_without_a_store(collected
     dump = recipe.model_dump()
     dump["data"]["hidden_states_path"] = str(tmp_path / "new")
     monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
-    with pytest.raises(StoreError, match=r"the store needs about .* GB and the disk has 0.00 GB free"):
+    with pytest.raises(StoreError, match=r"the store needs about .* MB and the disk has 1.00 kB free"):
         collect(recipe_from_dict(dump), log=lambda *a: None)
     assert not (tmp_path / "new" / INDEX).exists()
     dump["data"]["hidden_states_path"] = None

@@ -295,12 +295,20 @@ def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dic
     return index
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
 def check_disk(folder: Path, needed: int) -> None:
     probe = folder if folder.exists() else next(p for p in folder.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if free < needed:
-        raise StoreError(f"{folder}: the store needs about {needed / 1e9:.2f} GB and the disk has "
-                         f"{free / 1e9:.2f} GB free: free space or set data.hidden_states_path elsewhere")
+        raise StoreError(f"{folder}: the store needs about {human_bytes(needed)} and the disk has "
+                         f"{human_bytes(free)} free: free space or set data.hidden_states_path elsewhere")
 
 
 # --------------------------------------------------------------------------- reading

@@ -22,6 +22,7 @@ def collect(recipe: Recipe, log=print) -> Path:
         HiddenStateStore,
         bytes_per_token,
         check_disk,
+        human_bytes,
         collect_rank,
         store_header,
         write_index,
@@ -53,7 +54,7 @@ def collect(recipe: Recipe, log=print) -> Path:
     tokens = sum(len(s.input_ids) for s in samples)
     log(f"collect: {len(samples)} samples, {tokens} tokens x {per_token} bytes per token ({len(method.aux_layer_ids)} "
         f"aux layers {method.aux_layer_ids} + the last hidden state, {recipe.collect.dtype}) = about "
-        f"{tokens * per_token / 1e9:.2f} GB into {folder}" + (f", {world} processes" if world > 1 else ""))
+        f"{human_bytes(tokens * per_token)} into {folder}" + (f", {world} processes" if world > 1 else ""))
     done = _tokens_done(folder, rank)
     mine = sum(len(s.input_ids) for s in samples[rank::world])
     check_disk(folder, (mine - done) * per_token)
@@ -64,7 +65,7 @@ def collect(recipe: Recipe, log=print) -> Path:
     if state.is_main_process:
         index = write_index(folder, header, len(samples), world)
         log(f"collect: wrote {index['num_samples']} samples, {index['num_tokens']} tokens, "
-            f"{index['bytes'] / 1e9:.3f} GB in {len(index['shards'])} shards to {folder}")
+            f"{human_bytes(index['bytes'])} in {len(index['shards'])} shards to {folder}")
     state.wait_for_everyone()
     return folder
 

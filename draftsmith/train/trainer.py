@@ -543,7 +543,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=_flat(recipe_to_dict(recipe)))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    flops_at = _flop_counter(method, lengths, cfg, accelerator.device, log)
+    flops_at = _flop_counter(method, lengths, cfg, accelerator.device, log, target_runs=store_dir is None)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
     stuck = StuckWatch()
 
@@ -722,7 +722,7 @@ def _start_cache(recipe, tokenizer, target, method, data, rank: int, log):
 
 def _open_store(folder, recipe, tokenizer, target, method, data, log):
     """The store in `folder`, checked against this recipe; the capture that reads it."""
-    from draftsmith.data.store import HiddenStateStore, StoredCapture, store_header
+    from draftsmith.data.store import HiddenStateStore, StoredCapture, human_bytes, store_header
 
     store = HiddenStateStore(Path(folder).expanduser())
     samples = [*data.train, *data.eval]
@@ -730,7 +730,7 @@ def _open_store(folder, recipe, tokenizer, target, method, data, log):
                             samples, len(data.train), store.index.get("dtype"))
     store.check_matches(expected)
     log(f"hidden states: read from {store.folder} ({store.index['num_samples']} samples, "
-        f"{store.index['bytes'] / 1e9:.2f} GB, {store.index['dtype']}); the target's layers are not run")
+        f"{human_bytes(store.index['bytes'])}, {store.index['dtype']}); the target's layers are not run")
     return StoredCapture(store, target.device, target.dtype, method.aux_layer_ids)
 
 
@@ -743,12 +743,20 @@ def _eval_selector(stored, data):
                                             [s.input_ids for s in data.eval[start:end]])
 
 
-def _flop_counter(method, lengths: list[int], cfg, device, log):
+def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: bool = True):
     """`flops_at(seq_len)`: model FLOP per trained token (cached per length), for methods that count them; logs the
     count at the median sample length, term by term, and the matrix rate MFU is measured against."""
-    count = getattr(method, "flops_per_token", None)
-    if count is None:
+    per_token = getattr(method, "flops_per_token", None)
+    if per_token is None:
         return None
+
+    def count(seq_len: int) -> dict[str, float]:
+        terms = dict(per_token(seq_len))
+        if not target_runs:  # read from a hidden-state store: the target's layers do not run
+            terms.pop("target_forward")
+            terms["total"] = sum(v for k, v in terms.items() if k != "total")
+        return terms
+
     cache: dict[int, float] = {}
 
     def flops_at(seq_len: int) -> float:
