@@ -156,3 +156,11 @@ def test_the_runtime_backend_answers_as_the_target_decodes(tmp_path, fixture_tar
             alone = SpeculativeGenerator(backend.target, None, 0).generate(torch.tensor([ids]), 6, backend.eos)
             want = tok.decode([t for t in alone.token_ids if t not in backend.eos], skip_special_tokens=True)
             assert message["content"] == want and message["content"] != "old x"
+
+
+def test_a_bad_runtime_target_is_one_line_and_exit_2(tmp_path, capsys):
+    data = write_records(tmp_path / "in.jsonl")
+    code = cli_main(["regenerate", "--data", str(data), "--out", str(tmp_path / "o"), "--target",
+                     str(tmp_path / "no-such-model")])
+    assert code == 2
+    assert "--target" in (err := capsys.readouterr().err) and "no such folder" in err

@@ -8,7 +8,7 @@ import torch
 
 from draftsmith.kernels.ttt_attention import ttt_attention, ttt_attention_reference
 from draftsmith.models.eagle3.config import Eagle3Config
-from draftsmith.models.eagle3.loss import fused_ttt_loss, teacher_targets, ttt_loss
+from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
 from draftsmith.models.eagle3.model import Eagle3Drafter
 
 

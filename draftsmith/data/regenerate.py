@@ -117,14 +117,12 @@ class RuntimeBackend:
 
     def __init__(self, target: str, dtype: str, max_tokens: int, temperature: float, batch_size: int = 8,
                  seed: int = 0):
-        from transformers import AutoTokenizer
-
         from draftsmith.inference.eval import eos_token_ids
         from draftsmith.inference.generator import SpeculativeGenerator
         from draftsmith.inference.sampling import SamplingParams
-        from draftsmith.models.target import TargetModel
+        from draftsmith.models.target import TargetModel, load_target_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(target)
+        self.tokenizer = load_target_tokenizer(target, "--target", RegenerateError)
         if not getattr(self.tokenizer, "chat_template", None):
             raise RegenerateError(f"--target {target}: its tokenizer has no chat template to render turns with")
         self.target = TargetModel.from_pretrained(target, dtype=dtype)

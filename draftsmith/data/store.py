@@ -169,9 +169,6 @@ class ShardWriter:
     the folder with the same `plan` resumes: shards on record are kept, anything after them is redone."""
 
     def __init__(self, folder: Path, rank: int, plan: dict, dtype: str, max_shard_bytes: int, what: str):
-        from draftsmith.models.checkpoint import write_json_atomic
-
-        self._write_json = write_json_atomic
         self.folder, self.rank, self.dtype, self.max_shard_bytes = folder, rank, dtype, max_shard_bytes
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f".shard-r{rank}-*.tmp-*"):  # a shard a killed run was writing
@@ -212,7 +209,7 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from draftsmith.models.checkpoint import save_safetensors_atomic
+        from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_atomic
 
         if not self._pending_ids:
             return
@@ -222,7 +219,7 @@ class ShardWriter:
         offsets = _aux_offsets(path)
         self.progress["shards"].append({"name": name, "sha256": _sha256_file(path), "bytes": path.stat().st_size,
                                         "samples": [[i, offsets[str(i)], n] for i, n in self._pending_ids]})
-        self._write_json(self.progress, self.progress_file)  # the shard counts as done only from here
+        write_json_atomic(self.progress, self.progress_file)  # the shard counts as done only from here
         self._pending, self._pending_ids, self._pending_bytes = {}, [], 0
 
 

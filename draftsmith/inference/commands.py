@@ -110,21 +110,10 @@ def _check_max_new_tokens(args: argparse.Namespace) -> None:
 
 
 def _load_tokenizer(target: str):
-    """The tokenizer of --target: a local model folder, or a Hugging Face repo id (resolved by transformers, from
-    its cache first), as `draftsmith train` takes it."""
-    from transformers import AutoTokenizer
+    """The tokenizer of --target, a folder or Hub id as `draftsmith train` takes it (models/target.py)."""
+    from draftsmith.models.target import load_target_tokenizer
 
-    from draftsmith.models.model_card import looks_like_hub_id
-
-    if Path(target).exists():
-        if not (Path(target) / "config.json").is_file():
-            raise CommandError(f"--target {target}: no config.json there (expected a Hugging Face model folder)")
-    elif not looks_like_hub_id(target):
-        raise CommandError(f"--target {target}: no such folder, and not a Hugging Face repo id (ORG/NAME)")
-    try:
-        return AutoTokenizer.from_pretrained(target)
-    except (OSError, ValueError) as e:
-        raise CommandError(f"--target {target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+    return load_target_tokenizer(target, "--target", CommandError)
 
 
 def run_generate(args: argparse.Namespace) -> int:

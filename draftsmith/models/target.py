@@ -526,6 +526,34 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def load_target_tokenizer(target: str, label: str, error: type[ValueError] = ValueError):
+    """The target's tokenizer from a local model folder or a Hugging Face repo id (resolved by transformers, from its
+    cache first). A missing folder, a config.json that is no JSON object, or a failed load is one line of `error`
+    naming `label` (the recipe key or option that gave the target) and the path, not transformers' traceback."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.models.checkpoint import CheckpointError, read_json
+    from draftsmith.models.model_card import looks_like_hub_id
+
+    path = Path(target).expanduser()
+    if path.exists():
+        config = path / "config.json"
+        if not config.is_file():
+            raise error(f"{label} {target}: no config.json there (expected a Hugging Face model folder)")
+        try:
+            parsed = read_json(config)
+        except CheckpointError as e:
+            raise error(f"{label}: {e}: fix the file or download the model again") from None
+        if not isinstance(parsed, dict):
+            raise error(f"{label}: {config}: expected a JSON object, got {type(parsed).__name__}")
+    elif not looks_like_hub_id(target):
+        raise error(f"{label} {target}: no such folder, and not a Hugging Face repo id (ORG/NAME)")
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise error(f"{label} {target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+
+
 def _target_file(path: str | Path, filename: str) -> Path | None:
     """One file of the target: in its local folder, or fetched alone from the Hugging Face Hub; None if absent."""
     if Path(path).is_dir():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.config import Recipe, RecipeError, load_recipe
+from draftsmith.config import Recipe, RecipeError
 
 
 def collect(recipe: Recipe, log=print) -> Path:
@@ -24,11 +24,10 @@ def collect(recipe: Recipe, log=print) -> Path:
         check_disk,
         human_bytes,
         collect_rank,
-        store_header,
         write_index,
     )
     from draftsmith.models.target import TargetModel
-    from draftsmith.train.trainer import _load_tokenizer, _method_class
+    from draftsmith.train.trainer import _load_tokenizer, _method_class, recipe_store_header
 
     if not recipe.data.hidden_states_path:
         raise RecipeError("collect needs data.hidden_states_path: the folder to write the hidden-state store into")
@@ -44,8 +43,7 @@ def collect(recipe: Recipe, log=print) -> Path:
                                          attn_implementation=recipe.model.attn_implementation)
     method = _method_class(recipe.model.method)(recipe, target)
     hidden = target.config.hidden_size
-    header = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, hidden, samples, len(data.train),
-                          recipe.collect.dtype)
+    header = recipe_store_header(recipe, tokenizer, target, method, data, recipe.collect.dtype)
     if (folder / INDEX).is_file():
         HiddenStateStore(folder).check_matches(header)
         log(f"collect: {folder} already holds the complete store for this recipe: nothing to do")

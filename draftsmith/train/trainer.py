@@ -320,30 +320,10 @@ def check_tokenizer_fits(tokenizer_size: int, vocab_size: int, target: str) -> N
 
 
 def _load_tokenizer(target: str):
-    """The target's tokenizer. A missing folder, a config.json that is no JSON object, or a failed load is one
-    line naming the path (transformers would raise from deep inside with a 30-line traceback)."""
-    from transformers import AutoTokenizer
+    """The tokenizer of model.target; a bad target is one TrainingError line (models/target.py)."""
+    from draftsmith.models.target import load_target_tokenizer
 
-    from draftsmith.models.checkpoint import CheckpointError, read_json
-    from draftsmith.models.model_card import looks_like_hub_id
-
-    path = Path(target).expanduser()
-    if path.exists():
-        config = path / "config.json"
-        if not config.is_file():
-            raise TrainingError(f"model.target {target}: no config.json there (expected a Hugging Face model folder)")
-        try:
-            parsed = read_json(config)
-        except CheckpointError as e:
-            raise TrainingError(f"model.target: {e}: fix the file or download the model again") from None
-        if not isinstance(parsed, dict):
-            raise TrainingError(f"model.target: {config}: expected a JSON object, got {type(parsed).__name__}")
-    elif not looks_like_hub_id(target):
-        raise TrainingError(f"model.target {target}: no such folder, and not a Hugging Face repo id (ORG/NAME)")
-    try:
-        return AutoTokenizer.from_pretrained(target)
-    except (OSError, ValueError) as e:
-        raise TrainingError(f"model.target {target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+    return load_target_tokenizer(target, "model.target", TrainingError)
 
 
 def load_initial_weights(drafter, path: str, method: str) -> None:
@@ -543,7 +523,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=_flat(recipe_to_dict(recipe)))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    flops_at = _flop_counter(method, lengths, cfg, accelerator.device, log, target_runs=store_dir is None)
+    flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
+                                          target_runs=store_dir is None)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
     stuck = StuckWatch()
 
@@ -636,7 +617,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                 row = {"step": step, "epoch": state["epoch"], "lr": schedulers[0].get_last_lr()[0],
                        "loss": float(window_loss) / window_micro, "grad_norm": float(grad_norm),
                        "tokens_per_s": window_tokens / seconds,
-                       **_utilisation(window_flops / seconds, flops_at, accelerator.device, world),
+                       **_utilisation(window_flops / seconds, flops_at, peak_tflops, accelerator.device, world),
                        **{f"train/{k}": float(v) for k, v in metrics.items() if not k.startswith("count_")}}
                 window_tokens, window_start, window_flops = 0, now, 0.0
                 window_loss, window_micro = 0.0, 0
@@ -704,15 +685,22 @@ def _complete_cache(folder: str | None) -> str | None:
     return folder if folder and (Path(folder).expanduser() / INDEX).is_file() else None
 
 
+def recipe_store_header(recipe, tokenizer, target, method, data, dtype: str) -> dict:
+    """What a hidden-state store for this recipe records (data/store.py): its samples are the training samples,
+    then the held-out ones, with the method's aux layers. `collect` writes it, training checks it."""
+    from draftsmith.data.store import store_header
+
+    return store_header(recipe.model.target, tokenizer, method.aux_layer_ids, target.config.hidden_size,
+                        [*data.train, *data.eval], len(data.train), dtype)
+
+
 def _start_cache(recipe, tokenizer, target, method, data, rank: int, log):
     """data.hidden_states_cache, not complete yet: the capture that also writes the first epoch's states."""
-    from draftsmith.data.store import CachingCapture, store_header
+    from draftsmith.data.store import CachingCapture
 
-    samples = [*data.train, *data.eval]
-    header = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, target.config.hidden_size, samples,
-                          len(data.train), recipe.collect.dtype)
+    header = recipe_store_header(recipe, tokenizer, target, method, data, recipe.collect.dtype)
     folder = Path(recipe.data.hidden_states_cache).expanduser()
-    cache = CachingCapture(target.capture, folder, header, samples, rank, recipe.collect.dtype,
+    cache = CachingCapture(target.capture, folder, header, [*data.train, *data.eval], rank, recipe.collect.dtype,
                            recipe.collect.max_shard_bytes)
     log(f"hidden states: the first epoch also writes them to {folder}"
         + (f" (resuming: {len(cache.writer.done)} samples there)" if cache.writer.done else "")
@@ -722,13 +710,10 @@ def _start_cache(recipe, tokenizer, target, method, data, rank: int, log):
 
 def _open_store(folder, recipe, tokenizer, target, method, data, log):
     """The store in `folder`, checked against this recipe; the capture that reads it."""
-    from draftsmith.data.store import HiddenStateStore, StoredCapture, human_bytes, store_header
+    from draftsmith.data.store import HiddenStateStore, StoredCapture, human_bytes
 
     store = HiddenStateStore(Path(folder).expanduser())
-    samples = [*data.train, *data.eval]
-    expected = store_header(recipe.model.target, tokenizer, method.aux_layer_ids, target.config.hidden_size,
-                            samples, len(data.train), store.index.get("dtype"))
-    store.check_matches(expected)
+    store.check_matches(recipe_store_header(recipe, tokenizer, target, method, data, store.index.get("dtype")))
     log(f"hidden states: read from {store.folder} ({store.index['num_samples']} samples, "
         f"{human_bytes(store.index['bytes'])}, {store.index['dtype']}); the target's layers are not run")
     return StoredCapture(store, target.device, target.dtype, method.aux_layer_ids)
@@ -744,11 +729,12 @@ def _eval_selector(stored, data):
 
 
 def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: bool = True):
-    """`flops_at(seq_len)`: model FLOP per trained token (cached per length), for methods that count them; logs the
-    count at the median sample length, term by term, and the matrix rate MFU is measured against."""
+    """(`flops_at(seq_len)`: model FLOP per trained token, cached per length, the matrix rate in TFLOP/s that MFU is
+    measured against or None) for methods that count FLOPs, else (None, None); logs the count at the median sample
+    length, term by term, and the rate."""
     per_token = getattr(method, "flops_per_token", None)
     if per_token is None:
-        return None
+        return None, None
 
     def count(seq_len: int) -> dict[str, float]:
         terms = dict(per_token(seq_len))
@@ -769,17 +755,16 @@ def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: boo
     source = "training.peak_tflops" if cfg.peak_tflops else f"the datasheet of {dev.device_name(device)}"
     log(f"model FLOPs at {typical} tokens: {describe_flops(count(typical))}; MFU against "
         + (f"{peak:g} TFLOP/s ({source})" if peak else "no known matrix rate (set training.peak_tflops)"))
-    flops_at.peak_tflops = peak
-    return flops_at
+    return flops_at, peak
 
 
-def _utilisation(flops_per_s: float, flops_at, device, world: int) -> dict:
+def _utilisation(flops_per_s: float, flops_at, peak_tflops: float | None, device, world: int) -> dict:
     """The log row's TFLOP/s, MFU (per device, against the peak) and peak allocated memory of this device."""
     row = {}
     if flops_at is not None:
         row["tflops_per_s"] = flops_per_s / 1e12
-        if flops_at.peak_tflops:
-            row["mfu"] = flops_per_s / 1e12 / world / flops_at.peak_tflops
+        if peak_tflops:
+            row["mfu"] = flops_per_s / 1e12 / world / peak_tflops
     peak_bytes = dev.max_memory_allocated(device)
     if peak_bytes:
         row["peak_memory_gib"] = peak_bytes / 2**30
