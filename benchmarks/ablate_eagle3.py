@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", type=Path, default=Path("runs/ablation"))
     p.add_argument("--deadline-minutes", type=float, default=None, help="start no run after this much wall time")
     p.add_argument("--only", default=None, help="comma-separated names to run after the baseline (no search)")
+    p.add_argument("--candidate", action="append", default=[], metavar="NAME=OVERRIDES",
+                   help="a further candidate for --only: NAME=space-separated recipe overrides, e.g. "
+                        "'regenerated=data.path=.devdata/regenerated.jsonl' (repeatable)")
     p.add_argument("overrides", nargs="*", help="recipe overrides shared by every run (data, vocab size)")
     args = p.parse_args(argv)
 
@@ -131,10 +134,19 @@ def main(argv: list[str] | None = None) -> int:
               f"k5 {row['tau_k5']:.3f}{t1}", flush=True)
         return row
 
+    extra = {}
+    for entry in args.candidate:
+        name, sep, overrides = entry.partition("=")
+        if not sep or not name or not overrides.split():
+            p.error(f"--candidate {entry!r}: write NAME=key=value [key=value ...]")
+        extra[name] = overrides.split()
+    candidates = {**STAGE1, **STAGE2, **extra}
+    if args.only is not None and (unknown := [n for n in args.only.split(",") if n not in candidates]):
+        p.error(f"--only: unknown candidate(s) {', '.join(unknown)}; known: {', '.join(candidates)}")
     baseline = run("baseline", [])
     if args.only is not None:
         for name in args.only.split(","):
-            run(name, {**STAGE1, **STAGE2}.get(name) or [])
+            run(name, candidates[name] or [])
         return 0
     kept = []
     for name, overrides in STAGE1.items():

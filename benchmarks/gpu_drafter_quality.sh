@@ -5,13 +5,20 @@
 #   STAGE=peer      benchmarks/peer_eagle3.py: speculators and draftsmith on the same 2,500 records and time
 #                   (speculators' fused Triton loss fails under its torch.compile with torch 2.11: "ListVariable
 #                   is already tracked for mutation"; SPEC_FLAGS defaults to its eager loss, the same KL)
+#   STAGE=regen     `draftsmith regenerate` of all 16,787 training records by the target (first REGEN_TURNS
+#                   assistant turns, 256 new tokens, greedy), returned as $OUT/regenerated.jsonl.xz; then EAGLE-3
+#                   on the dataset's answers against the target's own (MINUTES each, benchmarks/ablate_eagle3.py),
+#                   and the DFLASH_VARIANTS on the regenerated data side by side for DFLASH_MINUTES, evaluated at k=5
 #   STAGE=full      METHODS (default eagle3 dflash mtp) on all 16,210 training samples for FULL_MINUTES each (run
-#                   side by side on the one GPU), then `draftsmith eval` of them next to n-gram at temperature 0
+#                   side by side on the one GPU), then `draftsmith eval` of them next to n-gram at temperature 0;
+#                   DATA=regenerated trains on STAGE=regen's output, METHOD_EXTRA (e.g. DFLASH_EXTRA) overrides
+#                   one method's recipe
 #
 # Inputs travel in the git-ignored .gpu/ folder (name it and .whl in the device call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -6 > .gpu/fixture.tar.xz
 #   .gpu/sharegpt_2500.jsonl.xz    the first 2,500 training records (ablation, peer)
-#   .gpu/sharegpt_train.jsonl.xz   all 16,787 (full)
+#   .gpu/sharegpt_train.jsonl.xz   all 16,787 (full, regen)
+#   .gpu/regenerated.jsonl.xz      STAGE=regen's output, for STAGE=full with DATA=regenerated
 #   .gpu/mtbench_greedy_fp32.json, .gpu/mtbench_t1_fp32.json, .gpu/question.jsonl
 #                                  benchmarks/acceptance.py answers ... (the target's float32 answers)
 # Writes into $OUT (default benchmarks/results/local).
@@ -51,19 +58,60 @@ case "$STAGE" in
       $SHARED ${EXTRA:-} 2>&1 | grep -v "it/s]\|s/it]\|Loading weights\|tokenize:" | tail -30
     cp /tmp/peer-$$/speculators_train.log /tmp/peer-$$/draftsmith_train.log "$OUT/" 2>/dev/null
     ;;
+  regen)
+    [ -f .devdata/sharegpt_train.jsonl ] || xz -dc .gpu/sharegpt_train.jsonl.xz > .devdata/sharegpt_train.jsonl
+    if [ -f .gpu/regenerated.jsonl.xz ] && [ ! -d /tmp/regen ]; then  # resume an earlier call's regeneration
+      mkdir -p /tmp/regen && xz -dc .gpu/regenerated.jsonl.xz > /tmp/regen/regenerated.jsonl
+      cp .gpu/regenerate_errors.jsonl /tmp/regen/errors.jsonl 2>/dev/null
+    fi
+    start=$SECONDS
+    timeout "${REGEN_SECONDS:-240}" python3 -m draftsmith.cli regenerate --data .devdata/sharegpt_train.jsonl \
+      --target $TARGET --out /tmp/regen --max-turns "${REGEN_TURNS:-1}" --max-new-tokens 256 \
+      --batch-size "${REGEN_BATCH:-256}" --dtype bfloat16 2>&1 | tr '\r' '\n' | grep -v "Loading weights" \
+      | grep . | tail -3 | tee "$OUT/regenerate.log"
+    echo "regenerate: $(( SECONDS - start )) s; $(wc -l < /tmp/regen/regenerated.jsonl) regenerated," \
+      "$(wc -l < /tmp/regen/errors.jsonl) errors" | tee -a "$OUT/regenerate.log"
+    cp /tmp/regen/errors.jsonl "$OUT/regenerate_errors.jsonl"
+    mkdir -p .devdata/regenerated && cp /tmp/regen/regenerated.jsonl .devdata/regenerated/regenerated.jsonl
+    xz -T0 -6 -c .devdata/regenerated/regenerated.jsonl > "$OUT/regenerated.jsonl.xz"
+    timeout "$(left)" python3 benchmarks/ablate_eagle3.py --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
+      --minutes "${MINUTES:-1.0}" $ANSWERS --out "$OUT/ablation_data.json" --runs-dir /tmp/ablation-$$ \
+      --only regenerated --candidate "regenerated=data.path=.devdata/regenerated/regenerated.jsonl" \
+      data.path=.devdata/sharegpt_train.jsonl 2>&1 | grep -v "it/s]\|s/it]\|Loading weights\|tokenize:" | tail -6
+    variants=(${DFLASH_VARIANTS:-})
+    configs=()
+    for i in "${!variants[@]}"; do
+      [ "$(left)" -gt $(( ${DFLASH_MINUTES%.*} * 60 + 150 )) ] || { echo "no time left for the DFlash variants"; break; }
+      python3 -m draftsmith.cli train "${RECIPE:-recipes/eagle3_fixture.yaml}" model.method=dflash \
+        data.path=.devdata/regenerated/regenerated.jsonl training.max_minutes="${DFLASH_MINUTES:-1.5}" \
+        output_dir=/tmp/dflash-$$/$i ${variants[$i]//,/ } > "$OUT/train_dflash_$i.log" 2>&1 &
+      configs+=(--speculative-config "{\"method\":\"dflash\",\"model\":\"/tmp/dflash-$$/$i\"}")
+    done
+    wait
+    for i in "${!variants[@]}"; do
+      echo "dflash variant $i (${variants[$i]}):"; grep -E "time budget|done:|Error|error|eval" "$OUT/train_dflash_$i.log" | tail -3
+    done
+    [ ${#configs[@]} -gt 0 ] && timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET \
+      --dataset mt_bench=.devdata/question.jsonl --max-new-tokens 256 --num-speculative-tokens 5 \
+      --out "$OUT/eval_dflash" "${configs[@]}" 2>&1 | grep -v "Loading weights" | tail -8
+    cp "$OUT"/eval_dflash/eval.json "$OUT/eval_dflash.json" 2>/dev/null; rm -rf "$OUT/eval_dflash"
+    ;;
   full)
     [ -f .devdata/sharegpt_train.jsonl ] || xz -dc .gpu/sharegpt_train.jsonl.xz > .devdata/sharegpt_train.jsonl
+    if [ -f .gpu/regenerated.jsonl.xz ] && [ ! -f .devdata/regenerated/regenerated.jsonl ]; then
+      mkdir -p .devdata/regenerated && xz -dc .gpu/regenerated.jsonl.xz > .devdata/regenerated/regenerated.jsonl
+    fi
     METHODS="${METHODS:-eagle3 dflash mtp}"
+    data=(data.path=.devdata/sharegpt_train.jsonl)
+    [ "${DATA:-dataset}" = regenerated ] && data=(data.path=.devdata/regenerated/regenerated.jsonl)
     for m in $METHODS; do
-      python3 -m draftsmith.cli train "${RECIPE:-recipes/eagle3_fixture.yaml}" model.method=$m \
-        training.max_minutes="${FULL_MINUTES:-6.0}" output_dir=/tmp/full-$$/$m ${EXTRA:-} > "$OUT/train_$m.log" 2>&1 &
+      extra_var="${m^^}_EXTRA"  # EAGLE3_EXTRA, DFLASH_EXTRA, MTP_EXTRA: overrides of that method's run only
+      python3 -m draftsmith.cli train "${RECIPE:-recipes/eagle3_fixture.yaml}" model.method=$m "${data[@]}" \
+        training.max_minutes="${FULL_MINUTES:-6.0}" output_dir=/tmp/full-$$/$m ${EXTRA:-} ${!extra_var:-} \
+        > "$OUT/train_$m.log" 2>&1 &
     done
     wait
     for m in $METHODS; do grep -E "time budget|done:|Error|error" "$OUT/train_$m.log" | tail -4; done
-    case " $METHODS " in *" eagle3 "*)
-      timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_greedy_fp32.json \
-        --drafter eagle3=/tmp/full-$$/eagle3 --out "$OUT/sim_full_eagle3.json" 2>&1 | tail -2 ;;
-    esac
     configs=()
     for m in $METHODS; do configs+=(--speculative-config "{\"method\":\"$m\",\"model\":\"/tmp/full-$$/$m\"}"); done
     timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_bench=.devdata/question.jsonl \
@@ -71,7 +119,13 @@ case "$STAGE" in
       --speculative-config '{"method":"ngram","prompt_lookup_max":4,"prompt_lookup_min":1}' 2>&1 \
       | grep -v "Loading weights" | tail -16
     cp "$OUT"/eval_full/eval.json "$OUT/eval_full.json" 2>/dev/null
+    case " $METHODS " in *" eagle3 "*)
+      timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_greedy_fp32.json \
+        --drafter eagle3=/tmp/full-$$/eagle3 --out "$OUT/sim_full_eagle3.json" 2>&1 | tail -2
+      timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_t1_fp32.json \
+        --drafter eagle3=/tmp/full-$$/eagle3 --out "$OUT/sim_full_eagle3_t1.json" 2>&1 | tail -2 ;;
+    esac
     ;;
-  *) echo "STAGE must be ablation, peer or full, not '$STAGE'" >&2; exit 2 ;;
+  *) echo "STAGE must be ablation, peer, regen or full, not '$STAGE'" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -24,7 +24,8 @@ RUN="runs/$METHOD-fixture"
 mkdir -p "$OUT"
 [ -f .devdata/sharegpt_train.jsonl ] || xz -dk .devdata/sharegpt_train.jsonl.xz
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) > "$OUT/gpu.txt"
-python3 -m draftsmith.cli train recipes/eagle3_fixture.yaml model.method="$METHOD" output_dir="$RUN" "$@" 2>&1 \
+python3 -m draftsmith.cli train recipes/eagle3_fixture.yaml model.method="$METHOD" output_dir="$RUN" \
+  data.path=.devdata/sharegpt_train.jsonl "$@" 2>&1 \
   | tee "$OUT/train.log" | grep -v "it/s]" || true
 cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl"
 python3 -m draftsmith.cli export "$RUN" --format "$FORMAT" --out "$OUT/$METHOD" --overwrite

@@ -164,3 +164,54 @@ def test_a_bad_runtime_target_is_one_line_and_exit_2(tmp_path, capsys):
                      str(tmp_path / "no-such-model")])
     assert code == 2
     assert "--target" in (err := capsys.readouterr().err) and "no such folder" in err
+
+
+def test_max_turns_keeps_the_first_assistant_turns_and_drops_the_rest(server, tmp_path):
+    data = write_records(tmp_path / "in.jsonl")
+    backend = ServerBackend(server.url, None, 64, 0.0, retries=2, backoff=0.01)
+    regenerate(str(data), tmp_path / "out", backend, max_turns=1, log=lambda *a: None)
+    by_index = {r["index"]: r["conversations"] for r in outputs(tmp_path / "out")["regenerated"]}
+    assert [m["content"] for m in by_index[0]] == ["a", "reply 0 to a"]  # "b" and its answer dropped
+    assert not any(r[-1]["content"] == "b" for r in server.requests)  # never asked
+    assert [m["content"] for m in by_index[5]] == ["be brief", "c", "reply 0 to c"]
+
+
+def test_the_runtime_backend_batches_by_length_and_fails_only_the_rows_past_the_context(tmp_path,
+                                                                                        fixture_target_dir):
+    from draftsmith.inference.generator import SpeculativeGenerator
+
+    records = [{"conversations": [{"from": "human", "value": "word " * n}, {"from": "gpt", "value": "old"}]}
+               for n in (40, 1, 4100, 12, 2)]  # index 2 is too long for the 4096-token context with 64 new tokens
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    backend = RuntimeBackend(str(fixture_target_dir), "float32", 64, 0.0, batch_size=2)
+    batches = []
+    generate_batch = backend.generator.generate_batch
+    backend.generator.generate_batch = lambda prompts, *a: batches.append([len(p) for p in prompts]) or \
+        generate_batch(prompts, *a)
+    counts = regenerate(str(data), tmp_path / "out", backend, log=lambda *a: None)
+    assert counts == {"records": 5, "regenerated": 4, "errors": 1, "skipped": 0}
+    out = outputs(tmp_path / "out")
+    assert out["errors"][0]["index"] == 2 and "exceeds the target's context of 4096" in out["errors"][0]["error"]
+    assert [len(b) for b in batches] == [2, 2] and batches[0][-1] <= batches[1][0]  # shortest prompts together
+    tok = backend.tokenizer
+    for row in out["regenerated"]:  # batched rows decode as each alone
+        conv = row["conversations"]
+        ids = tok(tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=False),
+                  add_special_tokens=False)["input_ids"]
+        alone = SpeculativeGenerator(backend.target, None, 0).generate(torch.tensor([ids]), 64, backend.eos)
+        assert conv[1]["content"] == tok.decode([t for t in alone.token_ids if t not in backend.eos],
+                                                skip_special_tokens=True)
+
+
+def test_a_rerun_resumes_over_answers_holding_unicode_line_separators(server, tmp_path):
+    data = write_records(tmp_path / "in.jsonl")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    done = {"index": 0, "conversations": [{"role": "user", "content": "a"},
+                                          {"role": "assistant", "content": "one\u2028two\x85three\u2029"}]}
+    (folder / "regenerated.jsonl").write_text(json.dumps(done, ensure_ascii=False) + "\n", encoding="utf-8")
+    backend = ServerBackend(server.url, "fixture-model", 64, 0.0, retries=2, backoff=0.01)
+    counts = regenerate(str(data), folder, backend, log=lambda *a: None)
+    assert counts == {"records": 6, "regenerated": 3, "errors": 1, "skipped": 2}
+    assert not any(r[-1]["content"] == "a" for r in server.requests)  # record 0 was not asked again

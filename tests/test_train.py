@@ -285,7 +285,7 @@ def test_shipped_recipes_train_on_another_target_without_overrides_for_what_they
     from draftsmith.config import load_recipe
 
     data = write_conversations(tmp_path / "conv.jsonl")
-    for name in ("dflash_sharegpt", "mtp_sharegpt", "eagle3_sharegpt"):
+    for name in ("dflash_sharegpt", "mtp_sharegpt", "eagle3_sharegpt", "eagle3_fixture", "dflash_fixture"):
         lines = []
         recipe = load_recipe(f"recipes/{name}.yaml", [
             f"model.target={fixture_target_dir}", f"data.path={data}", "data.eval_samples=2", "data.max_length=96",

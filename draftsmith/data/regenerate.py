@@ -7,7 +7,11 @@ earlier assistant turns are already the target's own. Two ways to run the target
     --server URL   any OpenAI-compatible server (vLLM, SGLang): `/v1/chat/completions`, `--concurrency`
                    conversations at once, each request retried with exponential backoff on connection errors,
                    timeouts, 429 and 5xx (`--retries`)
-    --target PATH  draftsmith's runtime, `--batch-size` conversations decoded together
+    --target PATH  draftsmith's runtime, `--batch-size` conversations decoded together (taken from a window of
+                   four batches sorted by prompt length, so a batch pads little)
+
+`--max-turns N` keeps the first N assistant turns of each conversation and drops what follows them (a drafter
+for a chat target learns most from first answers, and they cost the least to regenerate).
 
 Outputs in `--out`: `regenerated.jsonl` ({"index", "conversations"}), `errors.jsonl` ({"index", "error"}) and
 `skipped.jsonl` ({"index", "where", "reason"}: records with nothing to regenerate); every input record lands in
@@ -40,6 +44,18 @@ class RequestFailed(Exception):
     """One conversation could not be regenerated (after retries); its message goes to errors.jsonl."""
 
 
+def first_turns(messages: list[Message], max_turns: int | None) -> list[Message]:
+    """The conversation up to and including its `max_turns`-th assistant turn (all of it for None)."""
+    if max_turns is None:
+        return messages
+    seen = 0
+    for i, message in enumerate(messages):
+        seen += message["role"] == "assistant"
+        if seen == max_turns:
+            return messages[: i + 1]
+    return messages
+
+
 def regenerate_turns(messages: list[Message], answer: Callable[[list[Message]], str]) -> list[Message]:
     """The conversation with every assistant turn replaced by `answer(context)`, the context holding the turns
     before it (earlier assistant turns already regenerated). A trailing user turn stays unanswered."""
@@ -63,6 +79,7 @@ class ServerBackend:
         self.max_tokens, self.temperature = max_tokens, temperature
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
         self.concurrency = concurrency
+        self.window = 4 * concurrency  # conversations handed to run() at once: enough to keep the server busy
         self.model = model or self._first_model()
 
     def _request(self, path: str, body: dict | None = None) -> dict:
@@ -129,7 +146,9 @@ class RuntimeBackend:
         self.generator = SpeculativeGenerator(self.target, None, 0)
         self.eos = eos_token_ids(self.target, self.tokenizer)
         self.sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else None
-        self.max_tokens, self.concurrency = max_tokens, batch_size
+        self.max_tokens, self.batch_size = max_tokens, batch_size
+        self.window = 4 * batch_size  # sorted by prompt length, then decoded batch_size at a time
+        self.context = getattr(self.target.config, "max_position_embeddings", None)
 
     def run(self, conversations: list[list[Message]]) -> list[list[Message] | RequestFailed]:
         outs: list[list[Message]] = [[] for _ in conversations]
@@ -142,20 +161,28 @@ class RuntimeBackend:
             rows = [r for r, rest in enumerate(pending) if rest and r not in failed]
             if not rows:
                 break
-            prompts = []
+            prompts = {}
             for r in rows:
                 rendered = self.tokenizer.apply_chat_template(outs[r], add_generation_prompt=True, tokenize=False)
-                prompts.append(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-            try:
-                results = self.generator.generate_batch(prompts, self.max_tokens, self.eos, self.sampling)
-            except (ValueError, RuntimeError) as e:
-                for r in rows:
-                    failed[r] = RequestFailed(f"the runtime failed on this batch: {str(e).splitlines()[0]}")
-                continue
-            for r, result in zip(rows, results):
-                ids = [t for t in result.token_ids if t not in self.eos]
-                outs[r].append({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)})
-                pending[r].pop(0)
+                prompts[r] = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+                if self.context and len(prompts[r]) + self.max_tokens > self.context:
+                    failed[r] = RequestFailed(f"a prompt of {len(prompts[r])} tokens plus --max-new-tokens "
+                                              f"{self.max_tokens} exceeds the target's context of {self.context}")
+            rows = sorted((r for r in rows if r not in failed), key=lambda r: len(prompts[r]))
+            for start in range(0, len(rows), self.batch_size):
+                batch = rows[start: start + self.batch_size]
+                try:
+                    results = self.generator.generate_batch([prompts[r] for r in batch], self.max_tokens, self.eos,
+                                                            self.sampling)
+                except (ValueError, RuntimeError) as e:
+                    for r in batch:
+                        failed[r] = RequestFailed(f"the runtime failed on this batch: {str(e).splitlines()[0]}")
+                    continue
+                for r, result in zip(batch, results):
+                    ids = [t for t in result.token_ids if t not in self.eos]
+                    outs[r].append({"role": "assistant",
+                                    "content": self.tokenizer.decode(ids, skip_special_tokens=True)})
+                    pending[r].pop(0)
         return [failed.get(r, outs[r]) for r in range(len(conversations))]
 
 
@@ -174,13 +201,15 @@ def _finished(folder: Path) -> dict[str, set[int]]:
         if raw and not raw.endswith(b"\n"):
             raw = raw[: raw.rfind(b"\n") + 1]
             path.write_bytes(raw)
-        for line in raw.decode().splitlines():
-            done[name].add(json.loads(line)["index"])
+        for line in raw.split(b"\n"):  # not str.splitlines: answers may hold U+2028 or U+0085, written raw
+            if line.strip():
+                done[name].add(json.loads(line)["index"])
     return done
 
 
 def regenerate(data: str, out: Path, backend, *, format: str = "auto", split: str = "train",
-               subset: str | None = None, limit: int | None = None, log=print) -> dict[str, int]:
+               subset: str | None = None, limit: int | None = None, max_turns: int | None = None,
+               log=print) -> dict[str, int]:
     """Regenerate every record of `data` into `out` (see the module docstring); returns the counts per file."""
     from tqdm.auto import tqdm
 
@@ -205,7 +234,6 @@ def regenerate(data: str, out: Path, backend, *, format: str = "auto", split: st
 
     report = LoadReport(source=source_name(data, format))
     total, chunk = 0, []
-    chunk_size = max(1, 4 * backend.concurrency)  # enough in flight to keep the server or the batch full
     try:
         with tqdm(desc="regenerate", unit="conv", initial=0) as bar:
             records: Iterable = iter_records(data, report, format, split, subset, 0, limit)
@@ -216,8 +244,8 @@ def regenerate(data: str, out: Path, backend, *, format: str = "auto", split: st
                 if messages is None:
                     write("skipped", {"index": index, "where": where, "reason": reason})
                     continue
-                chunk.append((index, messages))
-                if len(chunk) >= chunk_size:
+                chunk.append((index, first_turns(messages, max_turns)))
+                if len(chunk) >= backend.window:
                     flush_chunk(chunk)
                     chunk = []
             if chunk:
@@ -248,6 +276,8 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="--target: conversations decoded together")
     p.add_argument("--dtype", default="auto", help="--target: auto, bfloat16, float16 or float32")
     p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="regenerate the first N assistant turns of each conversation and drop the rest")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--format", default="auto", choices=["auto", "jsonl", "sharegpt", "hf"])
     p.add_argument("--split", default="train")
@@ -256,8 +286,8 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
-    for name in ("concurrency", "batch_size", "max_new_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("concurrency", "batch_size", "max_new_tokens", "max_turns"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise RegenerateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.server:
         backend = ServerBackend(args.server, args.model, args.max_new_tokens, args.temperature, args.retries,
@@ -265,5 +295,5 @@ def run_regenerate(args: argparse.Namespace) -> int:
     else:
         backend = RuntimeBackend(args.target, args.dtype, args.max_new_tokens, args.temperature, args.batch_size)
     regenerate(args.data, args.out, backend, format=args.format, split=args.split, subset=args.subset,
-               limit=args.limit)
+               limit=args.limit, max_turns=args.max_turns)
     return 0

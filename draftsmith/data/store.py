@@ -27,6 +27,7 @@ import json
 import shutil
 import struct
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,12 @@ def plan_batches(ids: list[int], lengths: list[int], batch_tokens: int) -> list[
     return batches
 
 
+# Two stages, one thread each, so a shard is serialised while the one before it is checksummed and recorded; each
+# stage keeps submission order, so shards go on record in order (a resumed run names and groups them as before).
+_SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-shard-save")
+_RECORDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-shard-record")
+
+
 def _progress_path(folder: Path, rank: int) -> Path:
     return folder / f"progress-r{rank}.json"
 
@@ -166,7 +173,11 @@ def _progress_path(folder: Path, rank: int) -> Path:
 class ShardWriter:
     """One rank's shards and progress record: rows are added a sample at a time, a shard is written (atomically)
     once a batch leaves it past `max_shard_bytes`, and only then recorded in progress-r{rank}.json. Reopening
-    the folder with the same `plan` resumes: shards on record are kept, anything after them is redone."""
+    the folder with the same `plan` resumes: shards on record are kept, anything after them is redone.
+
+    A full shard is written in the background while the target computes the next batches: one thread serialises
+    it, another then checksums and records it (at most one shard being serialised, so memory stays bounded).
+    `flush()` writes what is open and waits until everything is on disk and on record."""
 
     def __init__(self, folder: Path, rank: int, plan: dict, dtype: str, max_shard_bytes: int, what: str):
         self.folder, self.rank, self.dtype, self.max_shard_bytes = folder, rank, dtype, max_shard_bytes
@@ -184,18 +195,22 @@ class ShardWriter:
             self.progress["shards"] = [s for s in previous["shards"] if (folder / s["name"]).is_file()
                                        and (folder / s["name"]).stat().st_size == s["bytes"]]
         self.done = {i for shard in self.progress["shards"] for i, _, _ in shard["samples"]}
+        self._next_shard = len(self.progress["shards"])
+        self._saving: Future | None = None
+        self._recording: list[Future] = []
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_ids: list[tuple[int, int]] = []  # (sample id, length)
         self._pending_bytes = 0
 
     def add(self, i: int, aux: torch.Tensor, last: torch.Tensor, input_ids: list[int], loss_mask: list[int]) -> None:
-        """Sample i's states (L, n*H) and (L, H), checked finite, into the open shard."""
+        """Sample i's states (L, n*H) and (L, H), checked finite, into the open shard. On an accelerator they are
+        cast (or quantized) there, so only the stored bytes cross to the host, straight into tensors of their own."""
         if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
             raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or inf): its "
                              "weights hold a NaN, or it overflows (try model.dtype=float32)")
         for kind, value in (("aux", aux), ("last", last)):
-            for suffix, tensor in quantize_rows(value.to("cpu"), self.dtype).items():
-                self._pending[f"{i}.{kind}{suffix}"] = tensor.clone()
+            for suffix, tensor in quantize_rows(value, self.dtype).items():
+                self._pending[f"{i}.{kind}{suffix}"] = tensor.to("cpu", copy=True)
         self._pending[f"{i}.input_ids"] = torch.tensor(input_ids, dtype=torch.int32)
         self._pending[f"{i}.loss_mask"] = torch.tensor(loss_mask, dtype=torch.int8)
         self._pending_ids.append((i, len(input_ids)))
@@ -204,23 +219,47 @@ class ShardWriter:
         self.done.add(i)
 
     def end_batch(self) -> None:
-        """A batch boundary: write the open shard if it is full."""
+        """A batch boundary: hand the open shard to the writer threads if it is full."""
         if self._pending_bytes >= self.max_shard_bytes:
-            self.flush()
+            self._submit()
 
     def flush(self) -> None:
-        from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_atomic
+        """Write the open shard and wait until every shard is on disk and on record."""
+        self._submit()
+        self._wait()
+
+    def _wait(self) -> None:
+        pending, self._recording, self._saving = self._recording, [], None
+        for future in pending:
+            future.result()  # a failed write raises here, in the caller's thread
+
+    def _submit(self) -> None:
+        from draftsmith.models.checkpoint import save_safetensors_atomic
 
         if not self._pending_ids:
             return
-        name = f"shard-r{self.rank}-{len(self.progress['shards']):05d}.safetensors"
+        if self._saving is not None:
+            self._saving.result()  # one shard being serialised at most
+        for future in [f for f in self._recording if f.done()]:
+            future.result()  # a failed record raises here
+        self._recording = [f for f in self._recording if not f.done()]
+        name = f"shard-r{self.rank}-{self._next_shard:05d}.safetensors"
+        self._next_shard += 1
+        tensors, ids = self._pending, self._pending_ids
+        self._pending, self._pending_ids, self._pending_bytes = {}, [], 0
+        # one metadata key: safetensors orders several at random
+        self._saving = _SAVER.submit(save_safetensors_atomic, tensors, self.folder / name)
+        self._recording.append(_RECORDER.submit(self._record, self._saving, name, ids))
+
+    def _record(self, saved: Future, name: str, ids: list[tuple[int, int]]) -> None:
+        from draftsmith.models.checkpoint import write_json_atomic
+
+        saved.result()
         path = self.folder / name
-        save_safetensors_atomic(self._pending, path)  # one metadata key: safetensors orders several at random
         offsets = _aux_offsets(path)
         self.progress["shards"].append({"name": name, "sha256": _sha256_file(path), "bytes": path.stat().st_size,
-                                        "samples": [[i, offsets[str(i)], n] for i, n in self._pending_ids]})
+                                        "samples": [[i, offsets[str(i)], n] for i, n in ids]})
         write_json_atomic(self.progress, self.progress_file)  # the shard counts as done only from here
-        self._pending, self._pending_ids, self._pending_bytes = {}, [], 0
 
 
 def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches: list[list[int]],
@@ -238,7 +277,7 @@ def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches:
                 ids[row, :lengths[i]] = torch.tensor(samples[i].input_ids)
                 mask[row, :lengths[i]] = 1
             states = capture(ids.to(device), mask.to(device), aux_layer_ids)
-            aux, last = states.aux_hidden.to("cpu"), states.last_hidden.to("cpu")
+            aux, last = states.aux_hidden, states.last_hidden  # left on the device: the writer copies what it keeps
             for row, i in enumerate(batch):
                 writer.add(i, aux[row, :lengths[i]], last[row, :lengths[i]], samples[i].input_ids,
                            samples[i].loss_mask)

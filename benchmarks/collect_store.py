@@ -1,0 +1,278 @@
+"""Hidden-state collection at scale, side by side in one process: collection against the target's forward-only
+rate, bytes per token against the theory, and training from the store (bf16, FP8) against online training.
+
+    python benchmarks/collect_store.py --recipe recipes/eagle3_fixture.yaml --out collect_store.json \
+        --work /tmp/collect --answers .devdata/mtbench_greedy_fp32.json data.path=.devdata/regenerated.jsonl
+
+For the fixture target of the recipe, and (unless --no-8b) a Llama-3.1-8B-shaped target with random bf16 weights
+built from config (no download) over the first --shape-tokens tokens of the same samples:
+
+- forward only: `target.capture` over the batches `collect` plans (collect.batch_tokens padded tokens, longest
+  first), states left on the device, nothing written;
+- collection: the same batches through `collect_rank` and `write_index`, the code `draftsmith collect` runs once
+  its target is loaded (device-to-host copies, safetensors shards written in the background, checksums, index);
+- bytes per token: the store's shard bytes over its tokens, against (n_aux + 1) * H * itemsize (what the issue
+  calls theoretical) and against draftsmith's own count (+ int32 token id, int8 loss mask, FP8 scales);
+- training (fixture only, --train-minutes each, time-budgeted): online, from the bf16 store and from the FP8
+  store, with tokens/s and the simulated greedy acceptance over --answers (benchmarks/acceptance.py).
+
+Every part is saved to --out as it finishes. --tiny runs a tiny random shape instead of the 8B one (a CPU smoke).
+`--host-path GB` measures only the host side (ShardWriter against sequential writes) on synthetic states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from draftsmith import device as dev  # noqa: E402
+from draftsmith.data.store import collect_rank, plan_batches, store_header, write_index  # noqa: E402
+from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
+
+LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                   tie_word_embeddings=False)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=16000, max_position_embeddings=4096, tie_word_embeddings=False)
+ITEMSIZE = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def forward_only(target, aux_ids, samples, batches) -> float:
+    """Seconds for the target's capture over `batches`, built as capture_samples builds them, nothing kept."""
+    device = target.device
+
+    def run(batch):
+        width = max(len(samples[i].input_ids) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            n = len(samples[i].input_ids)
+            ids[row, :n] = torch.tensor(samples[i].input_ids)
+            mask[row, :n] = 1
+        target.capture(ids.to(device), mask.to(device), aux_ids)
+
+    with torch.no_grad():
+        run(batches[0])  # warm-up (kernels, allocator)
+        dev.synchronize(device)
+        start = time.perf_counter()
+        for batch in batches:
+            run(batch)
+        dev.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, folder: Path, dtype, batch_tokens,
+                       max_shard_bytes, target_name) -> dict:
+    lengths = [len(s.input_ids) for s in samples]
+    tokens = sum(lengths)
+    batches = plan_batches(list(range(len(samples))), lengths, batch_tokens)
+    forward_s = forward_only(target, aux_ids, samples, batches)
+    shutil.rmtree(folder, ignore_errors=True)
+    header = store_header(target_name, tokenizer, aux_ids, target.config.hidden_size, samples, num_train, dtype)
+    dev.synchronize(target.device)
+    start = time.perf_counter()
+    collect_rank(target, aux_ids, samples, folder, header, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                 batch_tokens=batch_tokens, log=lambda *a: None)
+    index = write_index(folder, header, len(samples), 1)
+    collect_s = time.perf_counter() - start
+    hidden = target.config.hidden_size
+    theory = (len(aux_ids) + 1) * hidden * ITEMSIZE[dtype]
+    row = {"target": name, "dtype": dtype, "samples": len(samples), "tokens": tokens, "batches": len(batches),
+           "batch_tokens": batch_tokens, "aux_layer_ids": list(aux_ids), "hidden_size": hidden,
+           "forward_only_seconds": round(forward_s, 3), "forward_only_tokens_per_s": round(tokens / forward_s),
+           "collect_seconds": round(collect_s, 3), "collect_tokens_per_s": round(tokens / collect_s),
+           "collect_over_forward_only": round(forward_s / collect_s, 3),
+           "store_bytes": index["bytes"], "shards": len(index["shards"]),
+           "bytes_per_token": round(index["bytes"] / tokens, 2), "theoretical_bytes_per_token": theory,
+           "store_over_theoretical": round(index["bytes"] / (tokens * theory), 4)}
+    print(f"{name} {dtype}: forward {row['forward_only_tokens_per_s']:,} tok/s, collect "
+          f"{row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
+          f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x)", flush=True)
+    return row
+
+
+def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int = 3, length: int = 512) -> dict:
+    """The collector's host side alone, on synthetic bf16 states of an 8B-shaped target: ShardWriter (shards
+    serialised in one thread, checksummed and recorded in another, while the caller goes on) against the same
+    shards written and checksummed one after the other in the caller, as collection did before."""
+    from draftsmith.data.store import ShardWriter, _sha256_file
+    from draftsmith.models.checkpoint import save_safetensors_atomic
+
+    count = int(gigabytes * 1e9 / (length * (num_aux + 1) * hidden * 2))
+    aux = torch.randn(length, num_aux * hidden).to(torch.bfloat16)
+    last = torch.randn(length, hidden).to(torch.bfloat16)
+    ids, mask = list(range(length)), [1] * length
+    shard_bytes = 500_000_000
+    shutil.rmtree(folder, ignore_errors=True)
+    start = time.perf_counter()
+    writer = ShardWriter(folder / "writer", 0, {"bench": 1}, "bfloat16", shard_bytes, "a benchmark")
+    for i in range(count):
+        writer.add(i, aux, last, ids, mask)
+        writer.end_batch()
+    writer.flush()
+    threaded = time.perf_counter() - start
+    start = time.perf_counter()
+    pending, size, n = {}, 0, 0
+    for i in range(count):
+        pending.update({f"{i}.aux": aux.clone(), f"{i}.last": last.clone(),
+                        f"{i}.input_ids": torch.tensor(ids, dtype=torch.int32),
+                        f"{i}.loss_mask": torch.tensor(mask, dtype=torch.int8)})
+        size += length * ((num_aux + 1) * hidden * 2 + 5)
+        if size >= shard_bytes or i == count - 1:
+            path = folder / "sequential" / f"shard-{n:05d}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_safetensors_atomic(pending, path)
+            _sha256_file(path)
+            pending, size, n = {}, 0, n + 1
+    sequential = time.perf_counter() - start
+    total = count * length * ((num_aux + 1) * hidden * 2 + 5)
+    shutil.rmtree(folder, ignore_errors=True)
+    row = {"bytes": total, "samples": count, "sample_tokens": length, "hidden_size": hidden, "num_aux": num_aux,
+           "max_shard_bytes": shard_bytes, "shard_writer_mb_per_s": round(total / threaded / 1e6),
+           "sequential_mb_per_s": round(total / sequential / 1e6), "ratio": round(sequential / threaded, 3)}
+    print(f"host path: ShardWriter {row['shard_writer_mb_per_s']} MB/s, sequential {row['sequential_mb_per_s']} "
+          f"MB/s ({row['ratio']:.2f}x)", flush=True)
+    return row
+
+
+def train_run(name, recipe_path, overrides, minutes, answers, target32) -> dict:
+    import gc
+
+    from acceptance import simulate
+
+    from draftsmith.config import load_recipe
+    from draftsmith.train import train
+
+    recipe = load_recipe(recipe_path, [*overrides, f"training.max_minutes={minutes}", "training.max_steps=null",
+                                       "training.save_every=100000", "training.eval_every=100000"])
+    started = time.time()
+    checkpoint = train(recipe, log=lambda *a: None)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    row = {"name": name, "overrides": overrides, "steps": state["step"], "tokens": state["tokens_seen"],
+           "train_seconds": round(state["train_seconds"], 1), "wall_seconds": round(time.time() - started, 1),
+           "tokens_per_s": round(state["tokens_seen"] / state["train_seconds"])}
+    if answers is not None:
+        row["tau"] = simulate(target32, str(checkpoint), answers)["tau"]
+    print(f"train {name}: {row['steps']} steps, {row['tokens_per_s']:,} tok/s"
+          + (f", tau k5 {row['tau']['5']:.3f}" if "tau" in row else ""), flush=True)
+    gc.collect()
+    dev.empty_cache(dev.get_device())
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, required=True, help="folder for the stores and the training runs")
+    p.add_argument("--answers", type=Path, default=None, help="the target's float32 greedy answers (acceptance.py)")
+    p.add_argument("--train-minutes", type=float, default=0.75)
+    p.add_argument("--shape-tokens", type=int, default=150_000, help="tokens collected with the 8B shape")
+    p.add_argument("--no-8b", action="store_true")
+    p.add_argument("--no-train", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny random shape instead of the 8B one (CPU smoke)")
+    p.add_argument("--deadline-seconds", type=float, default=None, help="start no part after this much wall time")
+    p.add_argument("--host-path", type=float, default=None, metavar="GB",
+                   help="only measure the host side of collection on GB of synthetic 8B-shaped states")
+    p.add_argument("overrides", nargs="*", help="recipe overrides (data.path, data.max_samples, ...)")
+    args = p.parse_args(argv)
+    if args.host_path is not None:
+        import os
+        import platform
+
+        report = {"command": shlex.join(["python", *sys.argv]), "machine": platform.processor() or platform.machine(),
+                  "cpus": os.cpu_count(), "torch": torch.__version__,
+                  "host_path": host_path(args.work, args.host_path)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(report, args.out)
+        return 0
+
+    from draftsmith.config import load_recipe
+    from draftsmith.data import prepare_dataset
+    from draftsmith.inference.eval import run_info
+    from draftsmith.models.target import TargetModel, load_target_tokenizer
+    from draftsmith.train.trainer import _method_class
+
+    began = time.time()
+    recipe = load_recipe(args.recipe, args.overrides)
+    tokenizer = load_target_tokenizer(recipe.model.target, "model.target", ValueError)
+    data = prepare_dataset(recipe.data, tokenizer, log=lambda *a: None)
+    samples = [*data.train, *data.eval]
+    target = TargetModel.from_pretrained(recipe.model.target, dtype="bfloat16" if dev.get_device().type != "cpu"
+                                         else "float32")
+    aux_ids = _method_class(recipe.model.method)(recipe, target).aux_layer_ids
+    report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]), "recipe": args.recipe,
+              "overrides": args.overrides, "collection": [], "training": []}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(report, args.out)
+
+    def time_left() -> bool:
+        return args.deadline_seconds is None or time.time() - began < args.deadline_seconds
+
+    stores = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        stores[dtype] = args.work / f"store-{dtype}"
+        report["collection"].append(measure_collection(
+            "fixture", target, aux_ids, tokenizer, samples, len(data.train), stores[dtype], dtype,
+            recipe.collect.batch_tokens, recipe.collect.max_shard_bytes, recipe.model.target))
+        save()
+
+    if not args.no_8b and time_left():
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        shape = TINY if args.tiny else LLAMA_31_8B
+        config = LlamaConfig(**shape)
+        torch.manual_seed(0)
+        device = dev.get_device()
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=target.dtype, attn_implementation="sdpa")
+        big = TargetModel(model.eval().requires_grad_(False), name_or_path="random-llama-3.1-8b-shape")
+        big_aux = [2, config.num_hidden_layers // 2, config.num_hidden_layers - 3]
+        chosen, total = [], 0
+        for s in samples:
+            if total >= args.shape_tokens:
+                break
+            chosen.append(s)
+            total += len(s.input_ids)
+        report["collection"].append(measure_collection(
+            "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen, len(chosen),
+            args.work / "store-8b", "bfloat16", recipe.collect.batch_tokens, recipe.collect.max_shard_bytes,
+            "random-llama-3.1-8b-shape"))
+        save()
+        shutil.rmtree(args.work / "store-8b", ignore_errors=True)
+        del big, model
+        dev.empty_cache(device)
+
+    if not args.no_train:
+        from acceptance import load_answers
+
+        answers = load_answers(args.answers) if args.answers else None
+        target32 = TargetModel.from_pretrained(recipe.model.target, dtype="float32") if answers else None
+        runs = [("online", []), ("store_bfloat16", [f"data.hidden_states_path={stores['bfloat16']}"]),
+                ("store_float8_e4m3fn", [f"data.hidden_states_path={stores['float8_e4m3fn']}"])]
+        for name, extra in runs:
+            if not time_left():
+                print(f"skipping training {name}: past the deadline", flush=True)
+                continue
+            report["training"].append(train_run(name, args.recipe, [*args.overrides, *extra,
+                                                                   f"output_dir={args.work / ('run-' + name)}"],
+                                                args.train_minutes, answers, target32))
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
