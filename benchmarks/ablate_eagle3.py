@@ -59,24 +59,32 @@ def hardware() -> str:
     return dev.device_name(dev.get_device())
 
 
-def run_one(name: str, recipe_path: str, overrides: list[str], minutes: float, out_dir: Path, answers: dict,
-            answers_t1: dict | None, target) -> dict:
+def train_for_minutes(recipe_path: str, overrides: list[str], minutes: float, log=lambda *a: None):
+    """Train the recipe with `overrides` to a `minutes` time budget (no step cap, no checkpoints or evaluations on
+    the way); returns (recipe, final checkpoint, {steps, tokens, train_seconds, wall_seconds, trainer state})."""
     from draftsmith.config import load_recipe
     from draftsmith.train import train
 
-    run_dir = out_dir / name
     recipe = load_recipe(recipe_path, [*overrides, f"training.max_minutes={minutes}", "training.max_steps=null",
-                                       "training.epochs=1000", f"output_dir={run_dir}", "training.save_every=100000",
-                                       "training.eval_every=100000"])
+                                       "training.save_every=100000", "training.eval_every=100000"])
     started = time.time()
-    lines: list[str] = []
-    checkpoint = train(recipe, log=lines.append)
-    wall = time.time() - started
+    checkpoint = train(recipe, log=log)
     state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return recipe, checkpoint, {"steps": state["step"], "tokens": state["tokens_seen"],
+                                "train_seconds": round(state["train_seconds"], 1),
+                                "wall_seconds": round(time.time() - started, 1), "state": state}
+
+
+def run_one(name: str, recipe_path: str, overrides: list[str], minutes: float, out_dir: Path, answers: dict,
+            answers_t1: dict | None, target) -> dict:
+    run_dir = out_dir / name
+    lines: list[str] = []
+    recipe, checkpoint, run = train_for_minutes(
+        recipe_path, [*overrides, "training.epochs=1000", f"output_dir={run_dir}"], minutes, log=lines.append)
+    state = run.pop("state")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last_train = [r for r in rows if "loss" in r][-1]
-    row = {"name": name, "overrides": overrides, "steps": state["step"], "tokens": state["tokens_seen"],
-           "train_seconds": round(state["train_seconds"], 1), "wall_seconds": round(wall, 1),
+    row = {"name": name, "overrides": overrides, **run,
            "plan": state.get("plan"), "final_train_acc": [round(last_train.get(f"train/acc_{i}", 0), 3)
                                                          for i in range(recipe.training.ttt_steps)],
            "log": [x for x in lines if x.startswith(("time budget", "optimizer", "stopping", "done"))]}

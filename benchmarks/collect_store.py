@@ -23,7 +23,6 @@ Every part is saved to --out as it finishes. --tiny runs a tiny random shape ins
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import shutil
 import sys
@@ -38,13 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draftsmith import device as dev  # noqa: E402
 from draftsmith.data.store import collect_rank, plan_batches, store_header, write_index  # noqa: E402
 from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
+from shapes import LLAMA_31_8B, TINY, random_target  # noqa: E402
 
-LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                   tie_word_embeddings=False)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=16000, max_position_embeddings=4096, tie_word_embeddings=False)
-ITEMSIZE = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+
 
 
 def forward_only(target, aux_ids, samples, batches) -> float:
@@ -86,7 +81,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
     index = write_index(folder, header, len(samples), 1)
     collect_s = time.perf_counter() - start
     hidden = target.config.hidden_size
-    theory = (len(aux_ids) + 1) * hidden * ITEMSIZE[dtype]
+    theory = (len(aux_ids) + 1) * hidden * getattr(torch, dtype).itemsize
     row = {"target": name, "dtype": dtype, "samples": len(samples), "tokens": tokens, "batches": len(batches),
            "batch_tokens": batch_tokens, "aux_layer_ids": list(aux_ids), "hidden_size": hidden,
            "forward_only_seconds": round(forward_s, 3), "forward_only_tokens_per_s": round(tokens / forward_s),
@@ -148,18 +143,12 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
 def train_run(name, recipe_path, overrides, minutes, answers, target32) -> dict:
     import gc
 
+    from ablate_eagle3 import train_for_minutes
     from acceptance import simulate
 
-    from draftsmith.config import load_recipe
-    from draftsmith.train import train
-
-    recipe = load_recipe(recipe_path, [*overrides, f"training.max_minutes={minutes}", "training.max_steps=null",
-                                       "training.save_every=100000", "training.eval_every=100000"])
-    started = time.time()
-    checkpoint = train(recipe, log=lambda *a: None)
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    row = {"name": name, "overrides": overrides, "steps": state["step"], "tokens": state["tokens_seen"],
-           "train_seconds": round(state["train_seconds"], 1), "wall_seconds": round(time.time() - started, 1),
+    _, checkpoint, run = train_for_minutes(recipe_path, overrides, minutes)
+    state = run.pop("state")
+    row = {"name": name, "overrides": overrides, **run,
            "tokens_per_s": round(state["tokens_seen"] / state["train_seconds"])}
     if answers is not None:
         row["tau"] = simulate(target32, str(checkpoint), answers)["tau"]
@@ -230,16 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     if not args.no_8b and time_left():
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        shape = TINY if args.tiny else LLAMA_31_8B
-        config = LlamaConfig(**shape)
-        torch.manual_seed(0)
+        shape = {**TINY, "vocab_size": target.vocab_size} if args.tiny else LLAMA_31_8B  # the fixture's tokens
         device = dev.get_device()
-        with device:
-            model = AutoModelForCausalLM.from_config(config, dtype=target.dtype, attn_implementation="sdpa")
-        big = TargetModel(model.eval().requires_grad_(False), name_or_path="random-llama-3.1-8b-shape")
-        big_aux = [2, config.num_hidden_layers // 2, config.num_hidden_layers - 3]
+        big = random_target(shape, target.dtype, device, "random-llama-3.1-8b-shape")
+        big_aux = big.default_aux_layer_ids()
         chosen, total = [], 0
         for s in samples:
             if total >= args.shape_tokens:
@@ -252,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "random-llama-3.1-8b-shape"))
         save()
         shutil.rmtree(args.work / "store-8b", ignore_errors=True)
-        del big, model
+        del big
         dev.empty_cache(device)
 
     if not args.no_train:

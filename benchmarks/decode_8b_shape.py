@@ -23,9 +23,8 @@ from draftsmith.inference.eval import run_info
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.models.target import TargetModel
 
-LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                   tie_word_embeddings=False)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import LLAMA_31_8B, random_target  # noqa: E402
 
 
 def copy_bandwidth(device, gigabytes: float = 2.0) -> float:
@@ -44,18 +43,13 @@ def main(argv=None) -> int:
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     device = dev.get_device()
-    config = LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": args.layers})
-    torch.manual_seed(0)
-    with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.eval()
-    target = TargetModel(model, name_or_path=f"random Llama-3.1-8B shape ({args.layers} layers)")
+    shape = {**LLAMA_31_8B, "num_hidden_layers": args.layers, "max_position_embeddings": 8192}
+    target = random_target(shape, torch.bfloat16, device, f"random Llama-3.1-8B shape ({args.layers} layers)")
+    model = target.model
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bandwidth = copy_bandwidth(device)
-    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     report = {**run_info(target, sys.argv), "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
               "bound_tokens_per_s": bandwidth / weight_bytes}
 

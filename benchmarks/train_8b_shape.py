@@ -38,11 +38,10 @@ from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss  # noqa: E40
 from draftsmith.models.target import TargetModel  # noqa: E402
 from draftsmith.train.flops import eagle3_flops_per_token  # noqa: E402
 
-LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                   tie_word_embeddings=False)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=False)  # --tiny: a CPU smoke run
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import LLAMA_31_8B, TINY, random_target  # noqa: E402
+
+
 ISSUE_PEAK_TFLOPS = 790.0
 
 
@@ -189,22 +188,17 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     device = dev.get_device()
     shape = TINY if args.tiny else LLAMA_31_8B
     if args.tiny:
         args.draft_vocab = min(args.draft_vocab, 1024)
-    config = LlamaConfig(**{**shape, "num_hidden_layers": args.layers or shape["num_hidden_layers"]})
-    torch.manual_seed(0)
+    layers = args.layers or shape["num_hidden_layers"]
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
-    with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval().requires_grad_(False)
-    target = TargetModel(model, name_or_path=f"random-llama-3.1-8b-shape-{config.num_hidden_layers}-layers")
+    target = random_target({**shape, "num_hidden_layers": layers}, dtype, device,
+                           f"random-llama-3.1-8b-shape-{layers}-layers")
     measured_peak = matmul_tflops(device)
     report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]),
-              "target_shape": {**shape, "num_hidden_layers": config.num_hidden_layers},
+              "target_shape": {**shape, "num_hidden_layers": layers},
               "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab, "query_block": args.query_block,
               "loss_chunk_size": args.loss_chunk, "steps": args.steps, "warmup_steps": args.warmup,
               "measured_matmul_tflops": measured_peak, "issue_peak_tflops": ISSUE_PEAK_TFLOPS, "runs": []}
