@@ -10,7 +10,8 @@ A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `
 target capture, teacher, blocked TTT attention, fused chunked loss, under bf16 autocast with fp32 master weights
 and AdamW, as accelerate's bf16 mixed precision does); `eagle3/reference` the path training took before (S x S
 scores and whole-step logits kept for the backward pass); `+ckpt` adds training.checkpoint_ttt_steps, `+compile`
-training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss. Each run trains a fresh
+training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss, `dflash/reference` the same with the dense masked
+block attention it used before (kernels/dflash_attention.py). Each run trains a fresh
 drafter for --steps optimizer steps, the first --warmup untimed; a run that runs out of memory is recorded as such
 and the next one starts. MFU is counted with train/flops.py (EAGLE-3 only) against the bf16 matrix rate measured in
 the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the issue measured).
@@ -64,10 +65,10 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     seq, batch = (int(x) for x in shape.lower().split("x"))
     head, _, variant = head.partition("/")
     method, *flags = head.split("+")
-    if (method not in ("eagle3", "dflash") or variant not in ("", "reference") or (variant and method != "eagle3")
+    if (method not in ("eagle3", "dflash") or variant not in ("", "reference")
             or any(f not in FLAGS for f in flags) or (flags and method != "eagle3")):
         raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][/reference]:SEQxBATCH or "
-                         "dflash:SEQxBATCH")
+                         "dflash[/reference]:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 
@@ -129,13 +130,18 @@ def one_run(target, text, args, device, measured_peak) -> dict:
     try:
         torch.manual_seed(0)
         method, drafter = build_method(name, target, args, flags)
+        if name == "dflash":
+            drafter.dense_attention = reference  # the masked definition: (N*B_k)^2 block-to-block scores
         optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=None)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type != "cpu")
         times = []
         for step in range(args.steps):
             start = time.perf_counter()
             with autocast:
-                loss, _ = reference_loss(method, drafter, batch) if reference else method.loss(drafter, batch)
+                if reference and name == "eagle3":
+                    loss, _ = reference_loss(method, drafter, batch)
+                else:
+                    loss, _ = method.loss(drafter, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
 from draftsmith.config import recipe_from_dict
+from draftsmith.kernels.dflash_attention import block_attention_mask, dflash_attention, dflash_attention_reference
 from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
 from draftsmith.models.dflash.config import (
     DflashConfigError,
@@ -31,7 +32,6 @@ from draftsmith.models.dflash.model import (
     MASK_EMBEDDING_FILE,
     DflashDrafter,
     DrafterLoadError,
-    block_attention_mask,
     init_drafter,
     load_drafter,
 )
@@ -167,6 +167,51 @@ def test_training_forward_equals_one_block_at_a_time_and_the_cached_runtime(lear
                 blocks = drafter.block_inputs(anchor_embeds[row:row + 1, j:j + 1], mask_embed)
                 cached = drafter.draft_block(blocks, cache, torch.tensor([a]), key_length=a + cfg.block_size)
                 torch.testing.assert_close(cached[0], batched[row, j], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 64])
+def test_block_attention_equals_the_dense_definition_values_and_gradients(blocks_per_chunk):
+    """Chunked context + own-block attention == the dense masked definition, with grouped K/V heads, unsorted
+    anchors, a padding block (anchor 0) and chunks each cut at their own largest anchor."""
+    g = torch.Generator().manual_seed(3)
+    b, heads, kv, s, bk, hd = 2, 4, 2, 9, 3, 8
+    anchors = torch.tensor([[2, 7, 4, 0], [8, 1, 5, 3]])
+    n = anchors.shape[1]
+    tensors = [torch.randn(b, heads, n * bk, hd, generator=g), torch.randn(b, kv, s, hd, generator=g),
+               torch.randn(b, kv, s, hd, generator=g), torch.randn(b, kv, n * bk, hd, generator=g),
+               torch.randn(b, kv, n * bk, hd, generator=g)]
+    grad_out = torch.randn(b, heads, n * bk, hd, generator=g)
+
+    def run(fn, **kw):
+        leaves = [t.clone().requires_grad_(True) for t in tensors]
+        out = fn(*leaves, anchors, bk, hd ** -0.5, **kw)
+        (out * grad_out).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    want, want_grads = run(dflash_attention_reference)
+    got, got_grads = run(dflash_attention, blocks_per_chunk=blocks_per_chunk)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, gg, wg in zip(["q", "ctx_k", "ctx_v", "block_k", "block_v"], got_grads, want_grads):
+        torch.testing.assert_close(gg, wg, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_drafter_training_pass_equals_the_dense_definition():
+    cfg = tiny_config()
+    drafter = tiny_drafter(cfg).train()
+    g = torch.Generator().manual_seed(2)
+    aux = torch.randn(2, 12, 3 * H, generator=g)
+    anchors = torch.tensor([[2, 5, 9], [0, 4, 11]])
+    anchor_embeds = torch.randn(2, 3, H, generator=g)
+    fast = drafter(aux, anchor_embeds, anchors)
+    fast.square().sum().backward()
+    fast_grads = {k: p.grad.clone() for k, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    drafter.dense_attention = True
+    dense = drafter(aux, anchor_embeds, anchors)
+    dense.square().sum().backward()
+    torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-5)
+    for k, p in drafter.named_parameters():
+        torch.testing.assert_close(fast_grads[k], p.grad, atol=1e-4, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # ---- anchors, labels, loss -----------------------------------------------------------------------------------------
