@@ -13,6 +13,8 @@
 #                   side by side on the one GPU), then `draftsmith eval` of them next to n-gram at temperature 0;
 #                   DATA=regenerated trains on STAGE=regen's output, METHOD_EXTRA (e.g. DFLASH_EXTRA) overrides
 #                   one method's recipe
+#   STAGE=variants  VARIANTS (space-separated, each a comma-joined list of key=value overrides of RECIPE) trained
+#                   side by side on the regenerated data for FULL_MINUTES, then `draftsmith eval` at FULL_KS
 #
 # Inputs travel in the git-ignored .gpu/ folder (name it and .whl in the device call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -6 > .gpu/fixture.tar.xz
@@ -126,6 +128,30 @@ case "$STAGE" in
         --drafter eagle3=/tmp/full-$$/eagle3 --out "$OUT/sim_full_eagle3_t1.json" 2>&1 | tail -2 ;;
     esac
     ;;
-  *) echo "STAGE must be ablation, peer, regen or full, not '$STAGE'" >&2; exit 2 ;;
+  variants)
+    if [ ! -f .devdata/regenerated/regenerated.jsonl ]; then
+      mkdir -p .devdata/regenerated && xz -dc .gpu/regenerated.jsonl.xz > .devdata/regenerated/regenerated.jsonl
+    fi
+    variants=(${VARIANTS:?VARIANTS=\"a=1,b=2 c=3\": one run per space-separated item})
+    configs=()
+    for i in "${!variants[@]}"; do
+      python3 -m draftsmith.cli train "${RECIPE:?RECIPE=recipes/....yaml}" \
+        data.path=.devdata/regenerated/regenerated.jsonl training.max_minutes="${FULL_MINUTES:-6.0}" \
+        output_dir=/tmp/variants-$$/$i ${variants[$i]//,/ } > "$OUT/train_variant_$i.log" 2>&1 &
+    done
+    wait
+    for i in "${!variants[@]}"; do
+      echo "variant $i (${variants[$i]}):"; grep -E "time budget|done:|Error|error" "$OUT/train_variant_$i.log" | tail -3
+      cp /tmp/variants-$$/$i/metrics.jsonl "$OUT/metrics_variant_$i.jsonl" 2>/dev/null
+      method=$(python3 -c "import sys; from draftsmith.config import load_recipe as r
+print(r(sys.argv[1], sys.argv[2:]).model.method)" "$RECIPE" ${variants[$i]//,/ })
+      configs+=(--speculative-config "{\"method\":\"$method\",\"model\":\"/tmp/variants-$$/$i\"}")
+    done
+    timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_bench=.devdata/question.jsonl \
+      --max-new-tokens 256 --num-speculative-tokens ${FULL_KS:-5} --out "$OUT/eval_variants" "${configs[@]}" 2>&1 \
+      | grep -v "Loading weights" | tail -12
+    cp "$OUT"/eval_variants/eval.json "$OUT/eval_variants.json" 2>/dev/null; rm -rf "$OUT/eval_variants"
+    ;;
+  *) echo "STAGE must be ablation, peer, regen, full or variants, not '$STAGE'" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

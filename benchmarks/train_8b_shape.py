@@ -10,8 +10,8 @@ A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `
 target capture, teacher, blocked TTT attention, fused chunked loss, under bf16 autocast with fp32 master weights
 and AdamW, as accelerate's bf16 mixed precision does); `eagle3/reference` the path training took before (S x S
 scores and whole-step logits kept for the backward pass); `+ckpt` adds training.checkpoint_ttt_steps, `+compile`
-training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss, `dflash/reference` the same with the dense masked
-block attention it used before (kernels/dflash_attention.py). Each run trains a fresh
+training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss, `dflash+ckpt` with
+dflash.checkpoint_layers. Each run trains a fresh
 drafter for --steps optimizer steps, the first --warmup untimed; a run that runs out of memory is recorded as such
 and the next one starts. MFU is counted with train/flops.py (EAGLE-3 only) against the bf16 matrix rate measured in
 the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the issue measured).
@@ -65,10 +65,10 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     seq, batch = (int(x) for x in shape.lower().split("x"))
     head, _, variant = head.partition("/")
     method, *flags = head.split("+")
-    if (method not in ("eagle3", "dflash") or variant not in ("", "reference")
-            or any(f not in FLAGS for f in flags) or (flags and method != "eagle3")):
+    if (method not in ("eagle3", "dflash") or variant not in ("", "reference") or (variant and method != "eagle3")
+            or any(f not in FLAGS for f in flags) or (method == "dflash" and set(flags) - {"ckpt"})):
         raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][/reference]:SEQxBATCH or "
-                         "dflash[/reference]:SEQxBATCH")
+                         "dflash[+ckpt]:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 
@@ -80,9 +80,11 @@ def build_method(name: str, target: TargetModel, args, flags=()):
                   **({"draft_vocab_size": args.draft_vocab} if name == "eagle3" else {})},
         "data": {"path": "unused.jsonl", "max_length": 32768},
         "training": {"ttt_steps": args.ttt_steps, "ttt_query_block": args.query_block,
-                     "loss_chunk_size": args.loss_chunk, **{FLAGS[f]: True for f in flags}},
+                     "loss_chunk_size": args.loss_chunk,
+                     **({FLAGS[f]: True for f in flags} if name == "eagle3" else {})},
         "output_dir": "unused",
-        **({"dflash": {"mask_token_id": target.vocab_size - 1}} if name == "dflash" else {}),  # no tokenizer
+        **({"dflash": {"mask_token_id": target.vocab_size - 1,  # no tokenizer
+                       "checkpoint_layers": "ckpt" in flags}} if name == "dflash" else {}),
     })
     method = _method_class(name)(recipe, target)
     vocab = target.vocab_size
@@ -119,7 +121,9 @@ def forward_only(target: TargetModel, batch, aux_layer_ids, device, repeat: int)
 def one_run(target, text, args, device, measured_peak) -> dict:
     name, reference, flags, seq, batch_size = parse_run(text)
     result = {"run": text, "method": name, "path": "reference" if reference else "trainer",
-              "training_keys": {FLAGS[f]: True for f in flags}, "seq": seq, "batch": batch_size}
+              "training_keys": ({FLAGS[f]: True for f in flags} if name == "eagle3"
+                                else {"dflash.checkpoint_layers": True} if flags else {}),
+              "seq": seq, "batch": batch_size}
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, target.vocab_size, (batch_size, seq), generator=g).to(device),
              "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
@@ -130,18 +134,13 @@ def one_run(target, text, args, device, measured_peak) -> dict:
     try:
         torch.manual_seed(0)
         method, drafter = build_method(name, target, args, flags)
-        if name == "dflash":
-            drafter.dense_attention = reference  # the masked definition: (N*B_k)^2 block-to-block scores
         optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=None)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type != "cpu")
         times = []
         for step in range(args.steps):
             start = time.perf_counter()
             with autocast:
-                if reference and name == "eagle3":
-                    loss, _ = reference_loss(method, drafter, batch)
-                else:
-                    loss, _ = method.loss(drafter, batch)
+                loss, _ = reference_loss(method, drafter, batch) if reference else method.loss(drafter, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
 from draftsmith.config import recipe_from_dict
-from draftsmith.kernels.dflash_attention import block_attention_mask, dflash_attention, dflash_attention_reference
 from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
 from draftsmith.models.dflash.config import (
     DflashConfigError,
@@ -32,6 +31,7 @@ from draftsmith.models.dflash.model import (
     MASK_EMBEDDING_FILE,
     DflashDrafter,
     DrafterLoadError,
+    block_attention_mask,
     init_drafter,
     load_drafter,
 )
@@ -169,49 +169,25 @@ def test_training_forward_equals_one_block_at_a_time_and_the_cached_runtime(lear
                 torch.testing.assert_close(cached[0], batched[row, j], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 64])
-def test_block_attention_equals_the_dense_definition_values_and_gradients(blocks_per_chunk):
-    """Chunked context + own-block attention == the dense masked definition, with grouped K/V heads, unsorted
-    anchors, a padding block (anchor 0) and chunks each cut at their own largest anchor."""
-    g = torch.Generator().manual_seed(3)
-    b, heads, kv, s, bk, hd = 2, 4, 2, 9, 3, 8
-    anchors = torch.tensor([[2, 7, 4, 0], [8, 1, 5, 3]])
-    n = anchors.shape[1]
-    tensors = [torch.randn(b, heads, n * bk, hd, generator=g), torch.randn(b, kv, s, hd, generator=g),
-               torch.randn(b, kv, s, hd, generator=g), torch.randn(b, kv, n * bk, hd, generator=g),
-               torch.randn(b, kv, n * bk, hd, generator=g)]
-    grad_out = torch.randn(b, heads, n * bk, hd, generator=g)
-
-    def run(fn, **kw):
-        leaves = [t.clone().requires_grad_(True) for t in tensors]
-        out = fn(*leaves, anchors, bk, hd ** -0.5, **kw)
-        (out * grad_out).sum().backward()
-        return out.detach(), [t.grad for t in leaves]
-
-    want, want_grads = run(dflash_attention_reference)
-    got, got_grads = run(dflash_attention, blocks_per_chunk=blocks_per_chunk)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for name, gg, wg in zip(["q", "ctx_k", "ctx_v", "block_k", "block_v"], got_grads, want_grads):
-        torch.testing.assert_close(gg, wg, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def test_drafter_training_pass_equals_the_dense_definition():
-    cfg = tiny_config()
-    drafter = tiny_drafter(cfg).train()
+def test_checkpointed_layers_give_the_same_values_and_gradients():
+    """dflash.checkpoint_layers recomputes each layer in the backward pass; nothing it returns may change."""
+    drafter = tiny_drafter(tiny_config()).train()
     g = torch.Generator().manual_seed(2)
     aux = torch.randn(2, 12, 3 * H, generator=g)
     anchors = torch.tensor([[2, 5, 9], [0, 4, 11]])
     anchor_embeds = torch.randn(2, 3, H, generator=g)
-    fast = drafter(aux, anchor_embeds, anchors)
-    fast.square().sum().backward()
-    fast_grads = {k: p.grad.clone() for k, p in drafter.named_parameters()}
-    drafter.zero_grad()
-    drafter.dense_attention = True
-    dense = drafter(aux, anchor_embeds, anchors)
-    dense.square().sum().backward()
-    torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-5)
-    for k, p in drafter.named_parameters():
-        torch.testing.assert_close(fast_grads[k], p.grad, atol=1e-4, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    results = []
+    for recompute in (False, True):
+        drafter.zero_grad()
+        drafter.checkpoint_layers = recompute
+        out = drafter(aux, anchor_embeds, anchors)
+        out.square().sum().backward()
+        results.append((out.detach(), {k: p.grad.clone() for k, p in drafter.named_parameters()}))
+    (plain, plain_grads), (recomputed, recomputed_grads) = results
+    torch.testing.assert_close(recomputed, plain)
+    assert plain_grads.keys() == recomputed_grads.keys() and any(v.abs().sum() > 0 for v in plain_grads.values())
+    for k in plain_grads:
+        torch.testing.assert_close(recomputed_grads[k], plain_grads[k], msg=lambda m, k=k: f"{k}: {m}")
 
 
 # ---- anchors, labels, loss -----------------------------------------------------------------------------------------
@@ -475,6 +451,17 @@ def test_training_refuses_eagle3_aux_ids(tmp_path, fixture_target_dir, fixture_t
                                "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
     with pytest.raises(DflashConfigError, match="dflash.target_layer_ids"):
         DflashMethod(recipe, fixture_target)
+
+
+def test_recipe_checkpoint_layers_reaches_the_drafter(tmp_path, fixture_target_dir, fixture_target):
+    from draftsmith.models.dflash.training import DflashMethod
+
+    for on in (False, True):
+        recipe = recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": "dflash"},
+                                   "dflash": {"num_layers": 1, "checkpoint_layers": on},
+                                   "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
+        drafter = DflashMethod(recipe, fixture_target).build_drafter(torch.zeros(0), torch.zeros(0))
+        assert drafter.checkpoint_layers is on
 
 
 # ---- export -----------------------------------------------------------------------------------------------------------

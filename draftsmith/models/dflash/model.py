@@ -5,8 +5,6 @@ Shapes: H = hidden size (the target's), n = fused target layers, B_k = block siz
     fc, hidden_norm:  (n*H) -> H                 fuse the target features of each context position: c_t
     layers (Qwen3 layout, q/k norm):             queries from the block only; keys/values = [K(c); K(block)]
         context K/V = k_norm(k_proj(c)) with RoPE at the context positions, v_proj(c) (no input_layernorm)
-        training attends all blocks of a sequence at once, each only to its context and its own slots
-        (kernels/dflash_attention.py)
     norm, then the target's frozen lm_head       (not part of this module)
 
 Position alignment (z-lab's `dflash_generate`, SpecForge's training mask): the anchor x_a is the last committed
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.models.dflash.config import DflashConfigError, DflashDrafterConfig
@@ -35,7 +34,6 @@ from draftsmith.models.drafter_config import (
     local_folder,
     read_drafter_config,
 )
-from draftsmith.kernels.dflash_attention import dflash_attention, dflash_attention_reference
 from draftsmith.models.target import KVCache, attend
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
@@ -48,6 +46,21 @@ def _rotate_half(x):
 
 def _apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
+
+
+def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """Training mask (B, N*B_k, S + N*B_k), True = may attend, for keys laid out [context | block 0 | block 1 | ...].
+
+    A query of block j sees context positions < anchor_j and every slot of block j; no other block. A padding
+    block (anchor 0) sees only itself, which keeps its softmax finite; its slots carry no loss.
+    """
+    batch, n = anchor_positions.shape
+    device = anchor_positions.device
+    q_block = torch.arange(n * block_size, device=device) // block_size  # (Q,)
+    anchor_of_query = anchor_positions[:, q_block]  # (B, Q)
+    context = torch.arange(context_length, device=device)[None, None, :] < anchor_of_query[:, :, None]  # (B, Q, S)
+    same_block = (q_block[:, None] == q_block[None, :]).expand(batch, -1, -1)  # (B, Q, Q)
+    return torch.cat([context, same_block], dim=-1)
 
 
 class DflashAttention(nn.Module):
@@ -96,10 +109,23 @@ class DflashLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def _training_layer(layer: DflashLayer, hidden, context, ctx_cos, ctx_sin, cos, sin, mask):
+    """One draft layer over every block of a sequence: context K/V from the fused features, then the masked
+    attention over [context | all blocks] (one fused kernel; it keeps no score tensor for the backward pass)."""
+    ctx_k, ctx_v = layer.self_attn.key_value(context, ctx_cos, ctx_sin)  # (B, kv, S, hd)
+    scale = layer.self_attn.head_dim ** -0.5
+
+    def attend_all(q, k, v):
+        return attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, scale)
+
+    return layer(hidden, cos, sin, attend_all)
+
+
 class DflashDrafter(nn.Module):
-    # True: the training pass attends through the dense masked definition (kernels/dflash_attention.py), which
-    # holds (N*B_k)^2 scores per head; False: each block against the context and its own slots only
-    dense_attention = False
+    # dflash.checkpoint_layers: recompute each draft layer in the backward pass. The memory of a training pass is
+    # the layers' activations over N*B_k block tokens per sequence (512 anchors x 16 slots = 4x a 2,048-token
+    # sequence), so this is what lets an 8B-shaped batch of 16 x 2,048 fit.
+    checkpoint_layers = False
 
     def __init__(self, config: DflashDrafterConfig):
         super().__init__()
@@ -148,15 +174,11 @@ class DflashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rope(context, torch.arange(s, device=device).unsqueeze(0).expand(b, -1))
         block_pos = (anchor_positions.unsqueeze(-1) + torch.arange(bk, device=device)).reshape(b, n * bk)
         cos, sin = self.rope(hidden, block_pos)
-        scale = self.config.head_dim ** -0.5
-        blocks_attention = dflash_attention_reference if self.dense_attention else dflash_attention
+        mask = block_attention_mask(anchor_positions, s, bk).unsqueeze(1)  # (B, 1, N*B_k, S + N*B_k)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.key_value(context, ctx_cos, ctx_sin)  # (B, kv, S, hd)
-
-            def attend_all(q, k, v, ctx_k=ctx_k, ctx_v=ctx_v):
-                return blocks_attention(q, ctx_k, ctx_v, k, v, anchor_positions, bk, scale)
-
-            hidden = layer(hidden, cos, sin, attend_all)
+            args = (layer, hidden, context, ctx_cos, ctx_sin, cos, sin, mask)
+            hidden = checkpoint(_training_layer, *args, use_reentrant=False) if recompute else _training_layer(*args)
         return self.norm(hidden).view(b, n, bk, -1)
 
     # ---- runtime: cached context, one block per step -------------------------------------------------------------

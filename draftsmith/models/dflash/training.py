@@ -54,11 +54,13 @@ class DflashMethod:
         else:
             self.notes = [f"dflash: mask slots use the target's frozen embedding row of token {mask_id}"]
         self.num_anchors = section.anchors_per_sequence
+        self.checkpoint_layers = section.checkpoint_layers
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> DflashDrafter:
         """An fp32 drafter (master weights). d2t/t2d are unused: DFlash reads out with the target's full head."""
         drafter = DflashDrafter(self.config).to(self.target.device)
+        drafter.checkpoint_layers = self.checkpoint_layers
         init_drafter(drafter, self.target.embed_tokens.weight)
         return drafter
 
