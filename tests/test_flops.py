@@ -11,7 +11,7 @@ from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.target import TargetModel
-from draftsmith.train.flops import describe, eagle3_flops_per_token, target_forward_flops
+from draftsmith.train.flops import describe, dflash_flops_per_token, eagle3_flops_per_token, target_forward_flops
 
 
 def tiny_target(**overrides):
@@ -63,6 +63,39 @@ def test_eagle3_training_step_count_equals_flop_counter():
     diagonal = 3 * sum(2 * 2 * heads_dim * i for i in range(steps))
     assert measured == pytest.approx(b * s * (terms["total"] - diagonal), rel=1e-9)
     assert drafter.fc.weight.grad is not None
+
+
+def test_dflash_training_step_count_equals_flop_counter():
+    from draftsmith.models.dflash.config import DflashDrafterConfig
+    from draftsmith.models.dflash.loss import block_labels, dflash_loss, teacher_argmax
+    from draftsmith.models.dflash.model import DflashDrafter, init_drafter
+
+    target, config = tiny_target(attn_implementation="eager")
+    drafter_config = DflashDrafterConfig.from_target(config, num_layers=2, block_size=4, num_features=3,
+                                                     learned_mask=True)
+    drafter = DflashDrafter(drafter_config)
+    init_drafter(drafter, target.embed_tokens.weight)
+    b, s = 2, 24
+    ids = torch.randint(0, 96, (b, s))
+    anchors = torch.tensor([[1, 6, 11, 19], [0, 4, 9, 20]])  # every block whole inside the sequence
+    loss_mask = torch.ones(b, s, dtype=torch.long)
+
+    def step():
+        captured = target.capture(ids, None, drafter_config.aux_layer_ids)
+        teacher = teacher_argmax(captured.last_hidden, target.lm_head)
+        hidden = drafter(captured.aux_hidden, target.embed_tokens(ids.gather(1, anchors)), anchors)
+        labels, valid = block_labels(teacher, loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool), 4)
+        loss, _ = dflash_loss(hidden, target.lm_head.weight, labels, valid, 4.0)
+        loss.backward()
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # matrix products FlopCounterMode counts (it has no CPU flash formula)
+        measured = counted(step)
+    terms = dflash_flops_per_token(config, drafter_config, s, anchors.shape[1], attention="full")
+    recomputed_head = b * anchors.shape[1] * 3 * 2 * 64 * 96  # the loss's checkpointed head forward, run twice
+    assert measured == pytest.approx(b * s * terms["total"] + recomputed_head, rel=1e-9)
+    assert drafter.mask_embedding.grad is not None and drafter.fc.weight.grad is not None
 
 
 def test_llama_8b_shape_matches_the_hand_count():

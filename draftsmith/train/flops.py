@@ -10,7 +10,16 @@ positions averages (S + 1) / 2 keys per query. For EAGLE-3 TTT (draftsmith/model
     drafter          fc once, then per TTT step the decoder layer and the draft head, forward and backward
                      (backward = 2 x forward, but fc's input carries no gradient: 1 x)
 
-`tests/test_flops.py` checks the count against torch's FlopCounterMode on tiny models.
+For DFlash (draftsmith/models/dflash/): N anchors a sequence, each a block of B_k slots, so N*B_k block tokens per
+S context tokens, and N*(B_k-1) slots read out by the target's frozen head:
+
+    target_forward   as above
+    teacher_head     the target's head at every position (the argmax labels)
+    drafter          fc and each layer's context K/V once per context token; each layer's projections, MLP and
+                     attention (context before the anchor, about S/2 keys, plus the block's B_k) per block token,
+                     forward and backward; the head per slot, forward and the gradient of its input (it is frozen)
+
+`tests/test_flops.py` checks the counts against torch's FlopCounterMode on tiny models.
 """
 
 from __future__ import annotations
@@ -47,6 +56,32 @@ def eagle3_flops_per_token(target_config, drafter_config, seq_len: int, ttt_step
     terms = {"target_forward": target_forward_flops(target_config, seq_len, attention),
              "teacher_head": 2.0 * target_config.hidden_size * target_config.vocab_size,
              "drafter_forward_backward": 2.0 * fc + 3.0 * steps_forward}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def dflash_flops_per_token(target_config, drafter_config, seq_len: int, anchors: int,
+                           attention: str = "causal") -> dict[str, float]:
+    """FLOP per context token of online DFlash training with `anchors` blocks a sequence of `seq_len` (every block
+    whole inside the sequence and under the loss), by term (see the module docstring), and their total.
+
+    attention="full" counts what the masked fused attention multiplies: every query against all S + N*B_k keys."""
+    d = drafter_config
+    h, heads, head_dim = d.hidden_size, d.num_attention_heads, d.head_dim
+    kv = d.num_key_value_heads * head_dim
+    bk = d.block_size
+    block_tokens = anchors * bk / seq_len  # per context token
+    slots = anchors * (bk - 1) / seq_len
+    fc = 2 * len(d.target_layer_ids) * h * h
+    context_kv = 2 * 2 * h * kv
+    block_linear = 2 * (h * heads * head_dim + 2 * h * kv + heads * head_dim * h + 3 * h * d.intermediate_size)
+    keys = seq_len + anchors * bk if attention == "full" else seq_len / 2 + bk
+    block_attention = 2 * 2 * heads * head_dim * keys
+    head = 2 * h * d.vocab_size
+    layers = d.num_hidden_layers * (context_kv + block_tokens * (block_linear + block_attention))
+    terms = {"target_forward": target_forward_flops(target_config, seq_len, attention),
+             "teacher_head": 2.0 * target_config.hidden_size * target_config.vocab_size,
+             "drafter_forward_backward": 2.0 * fc + 3.0 * layers + 2.0 * slots * head}
     terms["total"] = sum(terms.values())
     return terms
 
