@@ -425,10 +425,11 @@ def test_tiny_training_run_writes_a_loadable_checkpoint(tmp_path, fixture_target
         "dflash": {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 4, 6], "anchors_per_sequence": 8},
         "data": {"path": str(data), "max_length": 64, "eval_samples": 2, "cache_dir": str(tmp_path / "cache")},
         "training": {"max_steps": 10, "batch_size": 2, "lr": 3e-3, "log_every": 1, "eval_every": 10,
-                     "save_every": 10, "seed": 3, "warmup_ratio": 0.0},
+                     "save_every": 10, "seed": 3, "warmup_ratio": 0.0, "peak_tflops": 0.5},
         "output_dir": str(tmp_path / "run"),
     })
-    ckpt = train(recipe, log=lambda *a: None)
+    lines = []
+    ckpt = train(recipe, log=lambda *a: lines.append(" ".join(map(str, a))))
     config = json.loads((ckpt / "config.json").read_text())
     assert config["method"] == "dflash" and config["target_layer_ids"] == [1, 4, 6] and config["learned_mask"]
     assert config["mask_token_id"] == 0  # the fixture has no spare row: its pad token marks masks for engines
@@ -438,6 +439,10 @@ def test_tiny_training_run_writes_a_loadable_checkpoint(tmp_path, fixture_target
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 10 and sum(losses[-3:]) < 0.8 * sum(losses[:3])
     assert {"train/acc_0", "train/loss_2", "train/sim_accept_len"} <= set(rows[0])
+    # model FLOPs (train/flops.dflash_flops_per_token) and MFU on every log row, the count logged term by term
+    logged = [r for r in rows if "loss" in r]
+    assert all(r["tflops_per_s"] > 0 and r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.5) for r in logged)
+    assert any("model FLOPs at" in line and "drafter_forward_backward" in line for line in lines)
     evals = [r for r in rows if "eval/loss" in r]
     # ten steps on two repeated replies: some first-slot drafts are already right (1.06 when this was written)
     assert evals and evals[-1]["eval/sim_accept_len"] > 1.0 and evals[-1]["eval/acc_0"] > 0

@@ -523,6 +523,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=_flat(recipe_to_dict(recipe)))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if hasattr(method, "anchor_candidate_share"):  # DFlash: anchors are positions whose next token is trained
+        candidates = sum(sum(1 for m in sample.loss_mask[1:] if m) for sample in data.train)
+        method.anchor_candidate_share = candidates / max(1, sum(n - 1 for n in lengths))
     flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
                                           target_runs=store_dir is None)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))

@@ -13,6 +13,7 @@ from draftsmith.models.dflash.config import (
 from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax
 from draftsmith.models.dflash.model import DflashDrafter, init_drafter
 from draftsmith.models.target import TargetModel
+from draftsmith.train.flops import dflash_flops_per_token
 
 
 def _engine_mask_token_id(target_path: str, vocab_size: int) -> int | None:
@@ -56,6 +57,15 @@ class DflashMethod:
         self.num_anchors = section.anchors_per_sequence
         self.checkpoint_layers = section.checkpoint_layers
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
+
+    # share of a sample's positions that can anchor a block (the next token is under the loss); the trainer sets
+    # it from the training data, so the FLOP count follows the anchors a sample really gets
+    anchor_candidate_share = 1.0
+
+    def flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log."""
+        anchors = min(self.num_anchors, max(1, round((seq_len - 1) * self.anchor_candidate_share)))
+        return dflash_flops_per_token(self.target.config, self.config, seq_len, anchors)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> DflashDrafter:
         """An fp32 drafter (master weights). d2t/t2d are unused: DFlash reads out with the target's full head."""
