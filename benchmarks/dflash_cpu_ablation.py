@@ -31,29 +31,18 @@ from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anch
 from draftsmith.models.dflash.model import DflashDrafter, init_drafter
 from draftsmith.models.target import TargetModel, load_target_tokenizer
 from draftsmith.train.optim import muon_groups
+from draftsmith.train.trainer import collate
 
 
-def padded_batches(samples, batch_size):
-    for i in range(0, len(samples), batch_size):
-        chunk = samples[i:i + batch_size]
-        s = max(len(x.input_ids) for x in chunk)
-        ids = torch.zeros(len(chunk), s, dtype=torch.long)
-        loss_mask = torch.zeros(len(chunk), s)
-        attention = torch.zeros(len(chunk), s, dtype=torch.long)
-        for j, x in enumerate(chunk):
-            n = len(x.input_ids)
-            ids[j, :n], loss_mask[j, :n], attention[j, :n] = torch.tensor(x.input_ids), torch.tensor(
-                x.loss_mask, dtype=torch.float), 1
-        yield ids, loss_mask, attention
-
-
-def captured(target, config, samples, batch_size):
-    """(input_ids, loss_mask, aux_hidden, teacher argmax) per batch, captured once."""
+def captured(target, config, samples, batch_size, pad_id):
+    """(input_ids, loss_mask, aux_hidden, teacher argmax) per batch of the trainer's padded batches, captured once."""
     out = []
-    for ids, loss_mask, attention in padded_batches(samples, batch_size):
+    for i in range(0, len(samples), batch_size):
+        batch = collate(samples[i:i + batch_size], pad_id, "cpu")
         with torch.no_grad():
-            cap = target.capture(ids, attention, config.aux_layer_ids)
-            out.append((ids, loss_mask, cap.aux_hidden, teacher_argmax(cap.last_hidden, target.lm_head)))
+            cap = target.capture(batch["input_ids"], batch["attention_mask"], config.aux_layer_ids)
+            out.append((batch["input_ids"], batch["loss_mask"], cap.aux_hidden,
+                        teacher_argmax(cap.last_hidden, target.lm_head)))
     return out
 
 
@@ -134,8 +123,9 @@ def main() -> None:
     samples, _ = tokenize_conversations(tokenizer, convs, args.max_length, "truncate", progress=False)
     config = DflashDrafterConfig.from_target(target.config, num_layers=args.layers, block_size=args.block_size,
                                              learned_mask=True)
-    held_out = captured(target, config, samples[:args.eval_samples], args.batch_size)
-    train = captured(target, config, samples[args.eval_samples:], args.batch_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    held_out = captured(target, config, samples[:args.eval_samples], args.batch_size, pad_id)
+    train = captured(target, config, samples[args.eval_samples:], args.batch_size, pad_id)
     results = {}
     for name, settings in variants.items():
         results[name] = run_variant(target, config, train, held_out, settings, args)

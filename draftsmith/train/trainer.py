@@ -524,7 +524,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if hasattr(method, "anchor_candidate_share"):  # DFlash: anchors are positions whose next token is trained
-        candidates = sum(sum(1 for m in sample.loss_mask[1:] if m) for sample in data.train)
+        candidates = sum(sum(sample.loss_mask[1:]) for sample in data.train)  # loss masks hold 0 and 1
         method.anchor_candidate_share = candidates / max(1, sum(n - 1 for n in lengths))
     flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
                                           target_runs=store_dir is None)
