@@ -1,4 +1,4 @@
-"""DFlash optimizer and learning rate, one change at a time, on the CPU: held-out slot accuracy after a fixed number
+"""DFlash optimizer, learning rate and loss, one change at a time, on the CPU: held-out slot accuracy after a fixed number
 of steps on the fixture target's own answers.
 
 Why on the CPU: the fixture target is small enough that its features for a few hundred samples are captured once
@@ -27,7 +27,7 @@ import transformers
 from draftsmith.data import load_conversations
 from draftsmith.data.tokenize import tokenize_conversations
 from draftsmith.models.dflash.config import DflashDrafterConfig
-from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax
+from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax, teacher_rows
 from draftsmith.models.dflash.model import DflashDrafter, init_drafter
 from draftsmith.models.target import TargetModel, load_target_tokenizer
 from draftsmith.train.optim import muon_groups
@@ -35,14 +35,15 @@ from draftsmith.train.trainer import collate
 
 
 def captured(target, config, samples, batch_size, pad_id):
-    """(input_ids, loss_mask, aux_hidden, teacher argmax) per batch of the trainer's padded batches, captured once."""
+    """(input_ids, loss_mask, aux_hidden, teacher argmax, last hidden) per batch of the trainer's padded batches,
+    captured once."""
     out = []
     for i in range(0, len(samples), batch_size):
         batch = collate(samples[i:i + batch_size], pad_id, "cpu")
         with torch.no_grad():
             cap = target.capture(batch["input_ids"], batch["attention_mask"], config.aux_layer_ids)
             out.append((batch["input_ids"], batch["loss_mask"], cap.aux_hidden,
-                        teacher_argmax(cap.last_hidden, target.lm_head)))
+                        teacher_argmax(cap.last_hidden, target.lm_head), cap.last_hidden))
     return out
 
 
@@ -52,7 +53,7 @@ def slot_accuracy(drafter, target, batches, config, anchors):
     correct = torch.zeros(config.block_size - 1)
     count = torch.zeros(config.block_size - 1)
     with torch.no_grad():
-        for ids, loss_mask, aux, teacher in batches:
+        for ids, loss_mask, aux, teacher, _ in batches:
             pos, valid_blocks = sample_anchors(loss_mask, anchors, g)
             hidden = drafter(aux, target.embed_tokens(ids.gather(1, pos)), pos)
             labels, valid = block_labels(teacher, loss_mask, pos, valid_blocks, config.block_size)
@@ -68,6 +69,7 @@ def run_variant(target, config, train, held_out, settings, args):
     drafter = DflashDrafter(config)
     init_drafter(drafter, target.embed_tokens.weight)
     lr = float(settings.get("lr", 1e-3))
+    gamma = float(settings.get("gamma", 7.0))
     if settings.get("optimizer", "adamw") == "muon":
         matrices, rest = muon_groups(drafter)
         optimizers = [torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw"),
@@ -76,12 +78,14 @@ def run_variant(target, config, train, held_out, settings, args):
         optimizers = [torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)]
     start = time.perf_counter()
     for step in range(args.steps):
-        ids, loss_mask, aux, teacher = train[step % len(train)]
+        ids, loss_mask, aux, teacher, last_hidden = train[step % len(train)]
         pos, valid_blocks = sample_anchors(loss_mask, args.anchors)
         with torch.no_grad():
             anchor_embeds = target.embed_tokens(ids.gather(1, pos))
         labels, valid = block_labels(teacher, loss_mask, pos, valid_blocks, config.block_size)
-        loss, _ = dflash_loss(drafter(aux, anchor_embeds, pos), target.lm_head.weight, labels, valid, 7.0)
+        soft = (teacher_rows(last_hidden, pos, valid, config.block_size)
+                if settings.get("loss", "ce") == "soft_ce" else None)
+        loss, _ = dflash_loss(drafter(aux, anchor_embeds, pos), target.lm_head.weight, labels, valid, gamma, soft)
         for o in optimizers:
             o.zero_grad()
         loss.backward()
@@ -109,7 +113,7 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--variant", action="append", required=True, metavar="NAME:key=value,...",
-                   help="optimizer=adamw|muon, lr=...; repeat for each variant")
+                   help="optimizer=adamw|muon, lr=..., loss=ce|soft_ce, gamma=...; repeat for each variant")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     variants = {}

@@ -9,12 +9,14 @@
 #                   assistant turns, 256 new tokens, greedy), returned as $OUT/regenerated.jsonl.xz; then EAGLE-3
 #                   on the dataset's answers against the target's own (MINUTES each, benchmarks/ablate_eagle3.py),
 #                   and the DFLASH_VARIANTS on the regenerated data side by side for DFLASH_MINUTES, evaluated at k=5
-#   STAGE=full      METHODS (default eagle3 dflash mtp) on all 16,210 training samples for FULL_MINUTES each (run
-#                   side by side on the one GPU), then `draftsmith eval` of them next to n-gram at temperature 0;
+#   STAGE=full      METHODS (default eagle3 dflash mtp), each with recipes/METHOD_fixture.yaml (or RECIPE), on all
+#                   16,210 training samples for FULL_MINUTES each (run side by side on the one GPU), then
+#                   `draftsmith eval` of them next to n-gram at temperature 0;
 #                   DATA=regenerated trains on STAGE=regen's output, METHOD_EXTRA (e.g. DFLASH_EXTRA) overrides
 #                   one method's recipe
 #   STAGE=variants  VARIANTS (space-separated, each a comma-joined list of key=value overrides of RECIPE) trained
 #                   side by side on the regenerated data for FULL_MINUTES, then `draftsmith eval` at FULL_KS
+#                   (EVAL_ARGS, e.g. "--batch-size 8", go to both stages' eval)
 #
 # Inputs travel in the git-ignored .gpu/ folder (name it and .whl in the device call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -6 > .gpu/fixture.tar.xz
@@ -108,12 +110,16 @@ case "$STAGE" in
     [ "${DATA:-dataset}" = regenerated ] && data=(data.path=.devdata/regenerated/regenerated.jsonl)
     for m in $METHODS; do
       extra_var="${m^^}_EXTRA"  # EAGLE3_EXTRA, DFLASH_EXTRA, MTP_EXTRA: overrides of that method's run only
-      python3 -m draftsmith.cli train "${RECIPE:-recipes/eagle3_fixture.yaml}" model.method=$m "${data[@]}" \
+      recipe="${RECIPE:-recipes/${m}_fixture.yaml}"  # each method's fixture recipe unless RECIPE is given
+      python3 -m draftsmith.cli train "$recipe" model.method=$m "${data[@]}" \
         training.max_minutes="${FULL_MINUTES:-6.0}" output_dir=/tmp/full-$$/$m ${EXTRA:-} ${!extra_var:-} \
         > "$OUT/train_$m.log" 2>&1 &
     done
     wait
-    for m in $METHODS; do grep -E "time budget|done:|Error|error" "$OUT/train_$m.log" | tail -4; done
+    for m in $METHODS; do
+      grep -E "time budget|done:|Error|error" "$OUT/train_$m.log" | tail -4
+      cp /tmp/full-$$/$m/metrics.jsonl "$OUT/${m}_metrics.jsonl" 2>/dev/null
+    done
     configs=()
     for m in $METHODS; do configs+=(--speculative-config "{\"method\":\"$m\",\"model\":\"/tmp/full-$$/$m\"}"); done
     timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_bench=.devdata/question.jsonl \
@@ -148,7 +154,8 @@ print(r(sys.argv[1], sys.argv[2:]).model.method)" "$RECIPE" ${variants[$i]//,/ }
       configs+=(--speculative-config "{\"method\":\"$method\",\"model\":\"/tmp/variants-$$/$i\"}")
     done
     timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_bench=.devdata/question.jsonl \
-      --max-new-tokens 256 --num-speculative-tokens ${FULL_KS:-5} --out "$OUT/eval_variants" "${configs[@]}" 2>&1 \
+      --max-new-tokens 256 --num-speculative-tokens ${FULL_KS:-5} --out "$OUT/eval_variants" "${configs[@]}" \
+      ${EVAL_ARGS:-} 2>&1 \
       | grep -v "Loading weights" | tail -12
     cp "$OUT"/eval_variants/eval.json "$OUT/eval_variants.json" 2>/dev/null; rm -rf "$OUT/eval_variants"
     ;;

@@ -12,7 +12,6 @@ Writes runtime.json (command, hardware, versions, every figure) and one PNG per 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -10,9 +10,9 @@ A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `
 target capture, teacher, blocked TTT attention, fused chunked loss, under bf16 autocast with fp32 master weights
 and AdamW, as accelerate's bf16 mixed precision does); `eagle3/reference` the path training took before (S x S
 scores and whole-step logits kept for the backward pass); `+ckpt` adds training.checkpoint_ttt_steps, `+compile`
-training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss, `dflash+ckpt` with
-dflash.checkpoint_layers. Each run trains a fresh
-drafter for --steps optimizer steps, the first --warmup untimed; a run that runs out of memory is recorded as such
+training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss,
+`dflash+ckpt` with dflash.checkpoint_layers; `mtp` MtpMethod.loss (one new module, mtp.num_depths from the
+recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first --warmup untimed; a run that runs out of memory is recorded as such
 and the next one starts. MFU is counted with train/flops.py against the bf16 matrix rate measured in
 the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the issue measured).
 Random weights and tokens make the losses meaningless but not the timing or the memory.
@@ -37,7 +37,6 @@ from draftsmith.config import recipe_from_dict  # noqa: E402
 from draftsmith.inference.eval import run_info  # noqa: E402
 from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss  # noqa: E402
 from draftsmith.models.target import TargetModel  # noqa: E402
-from draftsmith.train.flops import dflash_flops_per_token, eagle3_flops_per_token  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import LLAMA_31_8B, TINY, random_target  # noqa: E402
@@ -65,10 +64,11 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     seq, batch = (int(x) for x in shape.lower().split("x"))
     head, _, variant = head.partition("/")
     method, *flags = head.split("+")
-    if (method not in ("eagle3", "dflash") or variant not in ("", "reference") or (variant and method != "eagle3")
-            or any(f not in FLAGS for f in flags) or (method == "dflash" and set(flags) - {"ckpt"})):
-        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][/reference]:SEQxBATCH or "
-                         "dflash[+ckpt]:SEQxBATCH")
+    if (method not in ("eagle3", "dflash", "mtp") or variant not in ("", "reference")
+            or (variant and method != "eagle3") or any(f not in FLAGS for f in flags)
+            or (method == "dflash" and set(flags) - {"ckpt"}) or (method == "mtp" and flags)):
+        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][/reference]:SEQxBATCH, "
+                         "dflash[+ckpt]:SEQxBATCH or mtp:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 
@@ -159,10 +159,8 @@ def one_run(target, text, args, device, measured_peak) -> dict:
         result["target_forward_only_tokens_per_s"] = forward_only(target, batch, method.aux_layer_ids, device,
                                                                   max(2, len(timed)))
         result["ratio_to_forward_only"] = tokens_per_s / result["target_forward_only_tokens_per_s"]
-        if name == "eagle3":
-            terms = eagle3_flops_per_token(target.config, method.config, seq, args.ttt_steps)
-        else:  # the benchmark's samples are all under the loss: min(anchors, S - 1) blocks a sequence
-            terms = dflash_flops_per_token(target.config, method.config, seq, min(method.num_anchors, seq - 1))
+        # the benchmark's samples are all under the loss (DFlash: min(anchors, S - 1) blocks a sequence)
+        terms = method.flops_per_token(seq)
         result["gflop_per_token"] = {k: v / 1e9 for k, v in terms.items()}
         achieved = terms["total"] * tokens_per_s / 1e12
         result["tflops_per_s"] = achieved

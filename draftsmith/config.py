@@ -233,6 +233,9 @@ class DflashConfig(BaseModel):
     mask_token_id: int | None = Field(None, ge=0)  # None = a learned mask embedding
     anchors_per_sequence: int = Field(512, ge=1)
     loss_gamma: float | None = Field(None, gt=0)  # None = 7 / 5 / 4 for block 16 / 10 / 8, else block_size / 2
+    # each slot's target: the target's argmax (ce, as SpecForge trains; measured best on the fixture), or its
+    # whole next-token distribution (soft_ce)
+    loss: Literal["ce", "soft_ce"] = "ce"
     checkpoint_layers: bool = False  # recompute each draft layer in the backward pass (long contexts, big batches)
 
     @model_validator(mode="after")

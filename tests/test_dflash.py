@@ -26,6 +26,7 @@ from draftsmith.models.dflash.loss import (
     dflash_loss,
     position_weights,
     sample_anchors,
+    teacher_rows,
 )
 from draftsmith.models.dflash.model import (
     MASK_EMBEDDING_FILE,
@@ -258,6 +259,53 @@ def test_loss_matches_a_slow_loop_and_trains_only_valid_slots():
     loss.backward()
     assert hidden.grad[:, :, 0].abs().sum() == 0  # the anchor slot predicts nothing
     assert (hidden.grad[:, :, 1:].abs().sum(-1) > 0).tolist() == valid.tolist()
+
+
+def test_soft_loss_matches_a_slow_loop_against_the_teacher_distribution():
+    """dflash.loss soft_ce: each valid slot's CE is against softmax(head @ teacher state of its label position)."""
+    g = torch.Generator().manual_seed(3)
+    b, s, n, bk, v = 2, 9, 3, 4, 13
+    head = torch.randn(v, H, generator=g)
+    last_hidden = torch.randn(b, s, H, generator=g)
+    anchors = torch.tensor([[0, 3, 7], [1, 2, 0]])
+    block_valid = torch.tensor([[True, True, True], [True, True, False]])
+    loss_mask = (torch.rand(b, s, generator=g) > 0.2).long()
+    teacher = (last_hidden @ head.T).argmax(-1)
+    labels, valid = block_labels(teacher, loss_mask, anchors, block_valid, bk)
+    hidden = torch.randn(b, n, bk, H, generator=g, requires_grad=True)
+    rows = teacher_rows(last_hidden, anchors, valid, bk)
+    loss, _ = dflash_loss(hidden, head, labels, valid, 2.0, rows)
+    num = den = 0.0
+    for i in range(b):
+        for j in range(n):
+            for k in range(bk - 1):
+                if valid[i, j, k]:
+                    source = int(anchors[i, j]) + k  # slot k+1 sits at a+k+1, labelled by the output at a+k
+                    assert int(labels[i, j, k]) == int(teacher[i, source])
+                    p = (head @ last_hidden[i, source]).softmax(-1)
+                    w = math.exp(-k / 2.0)
+                    num += w * float(-(p * (head @ hidden[i, j, k + 1].detach()).log_softmax(-1)).sum())
+                    den += w
+    assert valid.any() and not valid.all()
+    assert loss.item() == pytest.approx(num / den, rel=1e-5)
+    loss.backward()
+    assert (hidden.grad[:, :, 1:].abs().sum(-1) > 0).tolist() == valid.tolist()
+
+
+def test_dflash_loss_key_reaches_the_method(fixture_target_dir):
+    from draftsmith.config import recipe_from_dict
+    from draftsmith.models.dflash.training import DflashMethod
+    from draftsmith.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    for key, soft in (("soft_ce", True), ("ce", False)):
+        recipe = recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": "dflash"},
+                                   "data": {"path": "x.jsonl"}, "output_dir": "unused",
+                                   "dflash": {"num_layers": 1, "block_size": 4, "loss": key}})
+        assert DflashMethod(recipe, target).soft_targets is soft
+    with pytest.raises(ValueError, match="loss"):
+        recipe_from_dict({"model": {"target": "t", "method": "dflash"}, "data": {"path": "x.jsonl"},
+                          "output_dir": "unused", "dflash": {"loss": "kl"}})
 
 
 # ---- runtime ----------------------------------------------------------------------------------------------------------

@@ -118,3 +118,35 @@ def test_peak_matrix_rate_is_known_for_datasheet_gpus_only(monkeypatch):
                        ("AMD Instinct MI355X", 2500.0), ("NVIDIA GeForce RTX 4090", None)]:
         monkeypatch.setattr(dev, "device_name", lambda device, name=name: name)
         assert dev.peak_matrix_tflops("cuda") == rate, name
+
+
+def test_mtp_training_step_count_equals_flop_counter():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from draftsmith.models.mtp.config import MtpDrafterConfig
+    from draftsmith.models.mtp.loss import mtp_loss
+    from draftsmith.models.mtp.model import MtpDrafter
+    from draftsmith.train.flops import mtp_flops_per_token
+
+    target, config = tiny_target(attn_implementation="eager")
+    depths = 3
+    drafter = MtpDrafter(MtpDrafterConfig.from_target(config, num_depths=depths))
+    b, s = 2, 20
+    ids = torch.randint(0, 96, (b, s))
+
+    def step():
+        captured = target.capture(ids, None, [config.num_hidden_layers])
+        hidden = drafter(target.embed_tokens(ids), captured.last_hidden, depths)
+        loss, _ = mtp_loss(hidden, captured.last_hidden, torch.ones(b, s, dtype=torch.long), target.lm_head)
+        loss.backward()
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        measured = counted(step)
+    terms = mtp_flops_per_token(config, depths, s, attention="full")
+    # the loss computes each depth's teacher rows itself and, being checkpointed, runs the teacher and the draft
+    # head forward a second time in backward: three head products per row beyond the count's one teacher pass
+    rows = sum(s - 1 - d for d in range(1, depths + 1))
+    head = 2 * 64 * 96
+    assert measured == pytest.approx(b * s * (terms["total"] - terms["teacher_head"]) + b * rows * 3 * head,
+                                     rel=1e-9)
+    assert drafter.layers[0].eh_proj.weight.grad is not None

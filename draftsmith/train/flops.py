@@ -19,6 +19,13 @@ S context tokens, and N*(B_k-1) slots read out by the target's frozen head:
                      attention (context before the anchor, about S/2 keys, plus the block's B_k) per block token,
                      forward and backward; the head per slot, forward and the gradient of its input (it is frozen)
 
+For MTP (draftsmith/models/mtp/): D depths, each one module over every position:
+
+    target_forward   as above
+    teacher_head     the target's head at every position, once (depth d's teacher is position i+d's distribution)
+    drafter          per depth: eh_proj (2H -> H) and one decoder layer of the target's shape, forward and
+                     backward; the frozen head at the positions under that depth's loss, forward and input gradient
+
 `tests/test_flops.py` checks the counts against torch's FlopCounterMode on tiny models.
 """
 
@@ -82,6 +89,21 @@ def dflash_flops_per_token(target_config, drafter_config, seq_len: int, anchors:
     terms = {"target_forward": target_forward_flops(target_config, seq_len, attention),
              "teacher_head": 2.0 * target_config.hidden_size * target_config.vocab_size,
              "drafter_forward_backward": 2.0 * fc + 3.0 * layers + 2.0 * slots * head}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def mtp_flops_per_token(target_config, num_depths: int, seq_len: int, attention: str = "causal") -> dict[str, float]:
+    """FLOP per token of online MTP training with `num_depths` depths over sequences of `seq_len` wholly under the
+    loss (depth d's head reads the seq_len - 1 - d positions whose t_{i+1+d} exists), by term, and their total.
+    The block is counted as one of the target's own (Llama-style) decoder layers."""
+    h, v = target_config.hidden_size, target_config.vocab_size
+    block = target_forward_flops(target_config, seq_len, attention) / target_config.num_hidden_layers
+    eh_proj = 2 * 2 * h * h
+    heads = sum(max(0, seq_len - 1 - d) for d in range(1, num_depths + 1)) / seq_len  # head rows per token
+    terms = {"target_forward": target_forward_flops(target_config, seq_len, attention),
+             "teacher_head": 2.0 * h * v,
+             "drafter_forward_backward": 3.0 * num_depths * (eh_proj + block) + 2.0 * heads * 2 * h * v}
     terms["total"] = sum(terms.values())
     return terms
 

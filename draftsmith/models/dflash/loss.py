@@ -10,9 +10,11 @@ logits at position a + k - 1, given the (teacher-forced) sequence before it:
     label       -            argmax p_a    argmax p_a+1        argmax p_a+B_k-2
     valid       -            loss_mask[a+1] & a+1 < S   ...
 
-Hard cross-entropy, as the DFlash reference (SpecForge) trains; against the target's argmax rather than the data
-token, because that is what greedy verification accepts, and it equals the data token on target-regenerated data.
-It also keeps only one vocabulary-sized tensor alive per chunk of slots (no teacher distribution per slot).
+Hard cross-entropy (`dflash.loss: ce`), as the DFlash reference (SpecForge) trains; against the target's argmax
+rather than the data token, because that is what greedy verification accepts, and it equals the data token on
+target-regenerated data. `dflash.loss: soft_ce` uses the target's whole distribution at that position instead (its
+final-normed state re-read by the head a chunk at a time); on the fixture it measured lower after 6 minutes
+(benchmarks/results/drafters_6min_h200).
 
 Loss = sum_k w_k * CE_k / sum_k w_k over valid slots, w_k = exp(-(k-1) / gamma): early slots matter most,
 since a block is only accepted up to its first miss.
@@ -53,6 +55,21 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return torch.where(valid, positions, 0), valid
 
 
+def label_source_positions(anchor_positions, block_size: int, seq_len: int) -> torch.Tensor:
+    """(B, N, B_k-1): the position whose target output labels each mask slot, a + k - 1, clamped inside the
+    sequence (slots past the end carry no loss)."""
+    pos = anchor_positions.unsqueeze(-1) + torch.arange(1, block_size, device=anchor_positions.device)
+    return pos.clamp(max=seq_len - 1) - 1
+
+
+def teacher_rows(last_hidden, anchor_positions, valid, block_size: int) -> torch.Tensor:
+    """(M, H): the target's final-normed state at each valid slot's label position, in `valid`'s order."""
+    b, s, h = last_hidden.shape
+    source = label_source_positions(anchor_positions, block_size, s)  # (B, N, B_k-1)
+    rows = source + torch.arange(b, device=source.device)[:, None, None] * s
+    return last_hidden.reshape(b * s, h)[rows[valid]]
+
+
 def block_labels(teacher_ids, loss_mask, anchor_positions, block_valid, block_size: int):
     """Labels (B, N, B_k-1) of mask slots 1..B_k-1 and whether each counts (see the module docstring)."""
     b, s = teacher_ids.shape
@@ -78,29 +95,45 @@ def _chunk_cross_entropy(hidden, labels, weight):
     return F.cross_entropy(logits, labels, reduction="none"), pred
 
 
-def head_cross_entropy(hidden, labels, head_weight, chunk_size: int = 2048):
+def _chunk_soft_cross_entropy(hidden, labels, teacher_hidden, weight):
+    logits = F.linear(hidden.to(weight.dtype), weight).float()  # (M, V)
+    pred = logits.argmax(-1).masked_fill(~torch.isfinite(logits).all(-1), -1)
+    with torch.no_grad():
+        teacher = F.linear(teacher_hidden.to(weight.dtype), weight).float().softmax(-1)
+    return -(teacher * logits.log_softmax(-1)).sum(-1), pred
+
+
+def head_cross_entropy(hidden, labels, head_weight, chunk_size: int = 2048, teacher_hidden=None):
     """Per-row CE (M,) and argmax (M,) of `hidden` (M, H) read out by the frozen head (V, H); the argmax of a
-    non-finite row is -1, so it never counts as correct.
+    non-finite row is -1, so it never counts as correct. With `teacher_hidden` (M, H), the target's final-normed
+    states the labels came from, the CE is against the target's whole distribution instead of its argmax.
 
     Each chunk is recomputed in backward (activation checkpointing), so only (chunk, V) logits are ever alive.
     """
-    chunks = checkpointed_row_chunks(_chunk_cross_entropy, (hidden, labels), head_weight, chunk_size=chunk_size)
+    if teacher_hidden is None:
+        fn, rows = _chunk_cross_entropy, (hidden, labels)
+    else:
+        fn, rows = _chunk_soft_cross_entropy, (hidden, labels, teacher_hidden)
+    chunks = checkpointed_row_chunks(fn, rows, head_weight, chunk_size=chunk_size)
     if not chunks:
         return hidden.new_zeros(0), labels.new_zeros(0)
     ces, preds = zip(*chunks)
     return torch.cat(ces), torch.cat(preds)
 
 
-def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float):
+def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float, teacher_hidden=None):
     """Position-decayed cross-entropy over the mask slots of every block.
 
     block_hidden (B, N, B_k, H) final-normed drafter states; head_weight (V, H) the target's lm_head; labels and
     valid (B, N, B_k-1). Returns (loss, metrics of 0-dim tensors): per slot i (= k-1) loss_i, acc_i, count_i, and
     sim_accept_len = 1 + mean leading correct slots per block, over blocks whose first slot counts.
-    Only valid slots are read out by the head.
+    Only valid slots are read out by the head. teacher_hidden (M, H), the target's final-normed states at the
+    valid slots' label positions (in `valid`'s order), makes it a soft cross-entropy against the target's whole
+    distribution (`dflash.loss: soft_ce`); without it, hard CE against the argmax labels.
     """
     slots = block_hidden[:, :, 1:]  # (B, N, B_k-1, H): slot 0 is the anchor, it predicts nothing
-    ce_valid, pred_valid = head_cross_entropy(slots[valid], labels[valid], head_weight)  # (M,)
+    ce_valid, pred_valid = head_cross_entropy(slots[valid], labels[valid], head_weight,
+                                              teacher_hidden=teacher_hidden)  # (M,)
     ce = torch.zeros(valid.shape, dtype=ce_valid.dtype, device=valid.device).masked_scatter(valid, ce_valid)
     correct = torch.zeros_like(valid).masked_scatter(valid, pred_valid == labels[valid])  # (B, N, B_k-1)
 

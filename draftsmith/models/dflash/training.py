@@ -10,7 +10,7 @@ from draftsmith.models.dflash.config import (
     default_loss_gamma,
     spare_token_id,
 )
-from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax
+from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax, teacher_rows
 from draftsmith.models.dflash.model import DflashDrafter, init_drafter
 from draftsmith.models.target import TargetModel
 from draftsmith.train.flops import dflash_flops_per_token
@@ -56,6 +56,7 @@ class DflashMethod:
             self.notes = [f"dflash: mask slots use the target's frozen embedding row of token {mask_id}"]
         self.num_anchors = section.anchors_per_sequence
         self.checkpoint_layers = section.checkpoint_layers
+        self.soft_targets = section.loss == "soft_ce"
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
 
     # share of a sample's positions that can anchor a block (the next token is under the loss); the trainer sets
@@ -86,4 +87,6 @@ class DflashMethod:
             mask_embed = None if self.config.learned_mask else embed.weight[self.config.mask_token_id]
         hidden = drafter(captured.aux_hidden, anchor_embeds, anchors, mask_embed)  # (B, N, B_k, H)
         labels, valid = block_labels(teacher, loss_mask, anchors, block_valid, self.config.block_size)
-        return dflash_loss(hidden, self.target.lm_head.weight, labels, valid, self.gamma)
+        soft = (teacher_rows(captured.last_hidden, anchors, valid, self.config.block_size)
+                if self.soft_targets else None)
+        return dflash_loss(hidden, self.target.lm_head.weight, labels, valid, self.gamma, soft)

@@ -9,6 +9,7 @@ from draftsmith.models.mtp.loss import mtp_loss
 from draftsmith.models.mtp.model import MtpDrafter
 from draftsmith.models.mtp.native import NativeMtp, find_native_mtp
 from draftsmith.models.target import TargetModel
+from draftsmith.train.flops import mtp_flops_per_token
 
 
 class MtpMethod:
@@ -41,6 +42,10 @@ class MtpMethod:
             native_layout=layout, target_name_or_path=recipe.model.target,
         )
         self.init_from_native = self.native is not None and mtp.init_from_native
+
+    def flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log."""
+        return mtp_flops_per_token(self.target.config, self.num_depths, seq_len)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> MtpDrafter:
         """An fp32 drafter: native MTP weights when present, else freshly initialised modules (on the fixture,
