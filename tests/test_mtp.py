@@ -298,7 +298,7 @@ def test_end_to_end_training_checkpoint_export_and_run(fixture_target_dir, tmp_p
         "data": {"path": str(write_conversations(tmp_path / "c.jsonl")), "max_length": 64, "eval_samples": 2,
                  "cache_dir": str(tmp_path / "cache")},
         "training": {"max_steps": 3, "batch_size": 2, "lr": 1e-3, "log_every": 1, "eval_every": 3,
-                     "save_every": 3, "mixed_precision": "no"},
+                     "save_every": 3, "mixed_precision": "no", "peak_tflops": 0.5},
         "mtp": {"num_depths": 2},
         "output_dir": str(tmp_path / "run"),
     })
@@ -306,6 +306,9 @@ def test_end_to_end_training_checkpoint_export_and_run(fixture_target_dir, tmp_p
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last_train = [r for r in rows if "loss" in r][-1]
     assert {"train/loss_0", "train/loss_1", "train/acc_1", "train/sim_accept_len"} <= set(last_train)
+    # model FLOPs (train/flops.mtp_flops_per_token) and MFU on every log row
+    assert all(r["tflops_per_s"] > 0 and r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.5)
+               for r in rows if "loss" in r)
     final = [r for r in rows if "eval/loss" in r][-1]  # 2.12, acc_0 0.72 when this was written: the replies repeat
     assert final["eval/sim_accept_len"] > 1.5 and final["eval/acc_0"] > 0.4
     saved = json.loads((ckpt / "config.json").read_text())
