@@ -16,7 +16,8 @@ built from config (no download) over the first --shape-tokens tokens of the same
 - training (fixture only, --train-minutes each, time-budgeted): online, from the bf16 store and from the FP8
   store, with tokens/s and the simulated greedy acceptance over --answers (benchmarks/acceptance.py).
 
-Every part is saved to --out as it finishes. --tiny runs a tiny random shape instead of the 8B one (a CPU smoke).
+Every part is saved to --out as it finishes. --tiny runs a tiny random shape instead of the 8B one (a CPU smoke);
+--shape-dtypes picks the 8B shape's store dtypes, --no-fixture skips the fixture's collections and the training.
 `--host-path GB` measures only the host side (ShardWriter against sequential writes) on synthetic states.
 """
 
@@ -112,8 +113,7 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
     start = time.perf_counter()
     writer = ShardWriter(folder / "writer", 0, {"bench": 1}, "bfloat16", shard_bytes, "a benchmark")
     for i in range(count):
-        writer.add(i, aux, last, ids, mask)
-        writer.end_batch()
+        writer.add_batch([(i, aux, last, ids, mask)])
     writer.flush()
     threaded = time.perf_counter() - start
     start = time.perf_counter()
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-minutes", type=float, default=0.75)
     p.add_argument("--shape-tokens", type=int, default=150_000, help="tokens collected with the 8B shape")
     p.add_argument("--no-8b", action="store_true")
+    p.add_argument("--shape-dtypes", default="bfloat16", help="store dtypes collected with the 8B shape, comma-joined")
+    p.add_argument("--no-fixture", action="store_true", help="skip the fixture's collections (and the training)")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny random shape instead of the 8B one (CPU smoke)")
     p.add_argument("--deadline-seconds", type=float, default=None, help="start no part after this much wall time")
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.deadline_seconds is None or time.time() - began < args.deadline_seconds
 
     stores = {}
-    for dtype in ("bfloat16", "float8_e4m3fn"):
+    for dtype in ("bfloat16", "float8_e4m3fn") if not args.no_fixture else ():
         stores[dtype] = args.work / f"store-{dtype}"
         report["collection"].append(measure_collection(
             "fixture", target, aux_ids, tokenizer, samples, len(data.train), stores[dtype], dtype,
@@ -229,16 +231,17 @@ def main(argv: list[str] | None = None) -> int:
                 break
             chosen.append(s)
             total += len(s.input_ids)
-        report["collection"].append(measure_collection(
-            "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen, len(chosen),
-            args.work / "store-8b", "bfloat16", recipe.collect.batch_tokens, recipe.collect.max_shard_bytes,
-            "random-llama-3.1-8b-shape"))
-        save()
-        shutil.rmtree(args.work / "store-8b", ignore_errors=True)
+        for dtype in args.shape_dtypes.split(","):
+            report["collection"].append(measure_collection(
+                "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen,
+                len(chosen), args.work / "store-8b", dtype, recipe.collect.batch_tokens,
+                recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape"))
+            save()
+            shutil.rmtree(args.work / "store-8b", ignore_errors=True)
         del big
         dev.empty_cache(device)
 
-    if not args.no_train:
+    if not args.no_train and not args.no_fixture:
         from acceptance import load_answers
 
         answers = load_answers(args.answers) if args.answers else None

@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -281,6 +282,27 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     if tensor.device.type != "cpu" or _device_type(device) != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def device_to_host_async(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Host copies of device `tensors`, queued behind the device's work instead of waiting for it, and a `wait()`
+    that returns once they have landed (read them only after it).
+
+    A plain `.to("cpu")` waits for every queued kernel and then copies from the device while nothing else is
+    queued, so the device idles for the copy and for whatever the host does next. On CUDA and ROCm the copies go
+    into pinned host memory (from torch's caching host allocator) behind one event; elsewhere they are plain
+    copies and `wait` returns at once. Pinned blocks are reused once released; a new one is an allocation that
+    waits for the device, so callers should not hold many (the store's writer copies out of them on landing)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.to("cpu") for t in tensors], lambda: None
+    hosts = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
+    event = torch.cuda.Event()
+    event.record()
+    return hosts, event.synchronize
 
 
 def time_ms(fn, device: torch.device | str, repeat: int = 50) -> float:

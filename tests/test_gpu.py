@@ -130,6 +130,22 @@ def test_host_to_device_queues_the_copy_behind_running_kernels():
     assert drained == {"plain": True, "queued": False}
 
 
+def test_device_to_host_async_returns_before_queued_kernels_and_lands_after_wait():
+    """The collector's copies: queued behind running kernels (no host sync), correct once `wait()` returns."""
+    from draftsmith import device as dev
+
+    a = torch.randn(8192, 8192, device="cuda")
+    src = torch.arange(100_000, device="cuda", dtype=torch.float32)
+    dev.device_to_host_async([src])[1]()  # the first pinned block is an allocation that waits for the device
+    for _ in range(20):
+        a @ a
+    (host,), wait = dev.device_to_host_async([src * 2])
+    still_running = not torch.cuda.current_stream().query()
+    wait()
+    assert host.is_pinned() and torch.equal(host, torch.arange(100_000.0) * 2)
+    assert still_running, "the copy waited for the queued kernels"
+
+
 def test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu():
     """The memory-linear EAGLE-3 training path on the accelerator, under bf16 autocast as training runs it: loss and
     gradients within bf16 tolerance of the reference path (whole S x S scores and logits), at 2 query blocks."""

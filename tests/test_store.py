@@ -329,3 +329,36 @@ def test_two_processes_collect_disjoint_shards_into_one_store(collected, tmp_pat
     for i in range(want.index["num_samples"]):  # other batches and thread counts: float32 rounding apart
         for a, b in zip(got.sample(i)[:2], want.sample(i)[:2]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_the_writer_lands_each_batch_whole_and_names_a_non_finite_sample(tmp_path):
+    """Batches land one call late (their host copies run behind the target), shards close at batch boundaries,
+    and a NaN state is named by sample before anything of its shard is written."""
+    from draftsmith.data.store import ShardWriter
+
+    def batch(ids, width=4, nan=None):
+        items = []
+        for i in ids:
+            aux, last = torch.full((3, 2 * width), float(i)), torch.full((3, width), -float(i))
+            if i == nan:
+                last[1, 0] = float("nan")
+            items.append((i, aux, last, [i] * 3, [1, 1, 0]))
+        return items
+
+    writer = ShardWriter(tmp_path / "ok", 0, {"t": 1}, "float32", 100, "a test")  # 51 bytes a sample
+    writer.add_batch(batch([0, 1, 2]))
+    assert writer.done == {0, 1, 2} and not writer._pending  # queued, not landed
+    writer.add_batch(batch([3]))  # lands 0..2 (153 bytes): the shard closes with exactly that batch
+    writer.flush()
+    shards = [s["samples"] for s in writer.progress["shards"]]
+    assert [[i for i, _, _ in s] for s in shards] == [[0, 1, 2], [3]]
+    tensors = load_file(str(tmp_path / "ok" / writer.progress["shards"][0]["name"]))
+    assert torch.equal(tensors["2.aux"], torch.full((3, 8), 2.0))
+    assert torch.equal(tensors["1.last"], torch.full((3, 4), -1.0))
+    assert tensors["0.input_ids"].dtype == torch.int32 and tensors["0.loss_mask"].tolist() == [1, 1, 0]
+
+    bad = ShardWriter(tmp_path / "bad", 0, {"t": 1}, "float32", 10_000, "a test")
+    bad.add_batch(batch([0, 1], nan=1))
+    with pytest.raises(StoreError, match="sample 1 are not finite"):
+        bad.flush()
+    assert not list((tmp_path / "bad").glob("shard-*"))

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from draftsmith import device as dev
+
 STORE_FORMAT = "draftsmith-hidden-states/1"
 INDEX = "index.json"
 AUX_CONVENTION = ("capture id k = the residual stream entering decoder layer k (output_hidden_states[k]); "
@@ -171,13 +173,16 @@ def _progress_path(folder: Path, rank: int) -> Path:
 
 
 class ShardWriter:
-    """One rank's shards and progress record: rows are added a sample at a time, a shard is written (atomically)
+    """One rank's shards and progress record: samples are added a batch at a time, a shard is written (atomically)
     once a batch leaves it past `max_shard_bytes`, and only then recorded in progress-r{rank}.json. Reopening
     the folder with the same `plan` resumes: shards on record are kept, anything after them is redone.
 
-    A full shard is written in the background while the target computes the next batches: one thread serialises
-    it, another then checksums and records it (at most one shard being serialised, so memory stays bounded).
-    `flush()` writes what is open and waits until everything is on disk and on record."""
+    Nothing here waits for the target. A batch's states are packed, checked and cast (or quantized) on the device
+    and copied to the host behind the device's queue (pinned memory on CUDA and ROCm); the batch lands in the open
+    shard at the next `add_batch`, while the target computes the next batch. A full shard is written in the
+    background: one thread serialises it, another then checksums and records it (at most one shard being
+    serialised, so memory stays bounded). `flush()` lands the last batch, writes what is open and waits until
+    everything is on disk and on record."""
 
     def __init__(self, folder: Path, rank: int, plan: dict, dtype: str, max_shard_bytes: int, what: str):
         self.folder, self.rank, self.dtype, self.max_shard_bytes = folder, rank, dtype, max_shard_bytes
@@ -201,30 +206,55 @@ class ShardWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_ids: list[tuple[int, int]] = []  # (sample id, length)
         self._pending_bytes = 0
+        self._in_flight: tuple | None = None  # the batch whose host copies are under way
 
-    def add(self, i: int, aux: torch.Tensor, last: torch.Tensor, input_ids: list[int], loss_mask: list[int]) -> None:
-        """Sample i's states (L, n*H) and (L, H), checked finite, into the open shard. On an accelerator they are
-        cast (or quantized) there, so only the stored bytes cross to the host, straight into tensors of their own."""
-        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
-            raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or inf): its "
-                             "weights hold a NaN, or it overflows (try model.dtype=float32)")
-        for kind, value in (("aux", aux), ("last", last)):
-            for suffix, tensor in quantize_rows(value, self.dtype).items():
-                self._pending[f"{i}.{kind}{suffix}"] = tensor.to("cpu", copy=True)
-        self._pending[f"{i}.input_ids"] = torch.tensor(input_ids, dtype=torch.int32)
-        self._pending[f"{i}.loss_mask"] = torch.tensor(loss_mask, dtype=torch.int8)
-        self._pending_ids.append((i, len(input_ids)))
-        self._pending_bytes += len(input_ids) * bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1],
-                                                                self.dtype)
-        self.done.add(i)
+    def add_batch(self, items) -> None:
+        """Samples of one batch, `items` = [(i, aux (L, n*H), last (L, H), input_ids, loss_mask)], the states on the
+        target's device. Lands the batch before (into the open shard, closing it when full), then queues this one."""
+        self._land()
+        if not items:
+            return
+        aux = torch.cat([a for _, a, _, _, _ in items])  # (T, n*H): every sample's rows, one after the other
+        last = torch.cat([h for _, _, h, _, _ in items])  # (T, H)
+        finite = torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1)  # (T,), checked once it lands
+        stored = {f"aux{k}": v for k, v in quantize_rows(aux, self.dtype).items()}
+        stored.update({f"last{k}": v for k, v in quantize_rows(last, self.dtype).items()})
+        hosts, wait = dev.device_to_host_async([finite, *stored.values()])
+        meta = [(i, a.shape[0], ids, mask) for i, a, _, ids, mask in items]
+        self._in_flight = (meta, list(stored), hosts, wait, aux.shape[-1] // last.shape[-1], last.shape[-1])
+        self.done.update(i for i, *_ in meta)
 
-    def end_batch(self) -> None:
-        """A batch boundary: hand the open shard to the writer threads if it is full."""
+    def _land(self) -> None:
+        """The batch in flight into the open shard (each sample's tensors are views of the batch's host copy), then
+        the shard to the writer threads if it is full."""
+        if self._in_flight is None:
+            return
+        meta, names, hosts, wait, num_aux, hidden = self._in_flight
+        self._in_flight = None
+        wait()
+        # out of the pinned staging copies at once, so the pinned pool stays two batches deep: a new pinned block
+        # is a host allocation that waits for the device, the very stall the queued copies avoid
+        hosts = [h.clone() if h.is_pinned() else h for h in hosts]
+        lengths = [n for _, n, _, _ in meta]
+        finite = hosts[0].split(lengths)
+        parts = [h.split(lengths) for h in hosts[1:]]
+        per_token = bytes_per_token(hidden, num_aux, self.dtype)
+        for j, (i, n, input_ids, loss_mask) in enumerate(meta):
+            if not bool(finite[j].all()):
+                raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or inf): "
+                                 "its weights hold a NaN, or it overflows (try model.dtype=float32)")
+            for name, part in zip(names, parts):
+                self._pending[f"{i}.{name}"] = part[j]
+            self._pending[f"{i}.input_ids"] = torch.tensor(input_ids, dtype=torch.int32)
+            self._pending[f"{i}.loss_mask"] = torch.tensor(loss_mask, dtype=torch.int8)
+            self._pending_ids.append((i, n))
+            self._pending_bytes += n * per_token
         if self._pending_bytes >= self.max_shard_bytes:
             self._submit()
 
     def flush(self) -> None:
-        """Write the open shard and wait until every shard is on disk and on record."""
+        """Land the batch in flight, write the open shard and wait until every shard is on disk and on record."""
+        self._land()
         self._submit()
         self._wait()
 
@@ -276,12 +306,11 @@ def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches:
             for row, i in enumerate(batch):
                 ids[row, :lengths[i]] = torch.tensor(samples[i].input_ids)
                 mask[row, :lengths[i]] = 1
-            states = capture(ids.to(device), mask.to(device), aux_layer_ids)
+            # queued, not waited for: the device may still be computing the batch before
+            states = capture(dev.host_to_device(ids, device), dev.host_to_device(mask, device), aux_layer_ids)
             aux, last = states.aux_hidden, states.last_hidden  # left on the device: the writer copies what it keeps
-            for row, i in enumerate(batch):
-                writer.add(i, aux[row, :lengths[i]], last[row, :lengths[i]], samples[i].input_ids,
-                           samples[i].loss_mask)
-            writer.end_batch()
+            writer.add_batch([(i, aux[row, :lengths[i]], last[row, :lengths[i]], samples[i].input_ids,
+                               samples[i].loss_mask) for row, i in enumerate(batch)])
             bar.update(sum(lengths[i] for i in batch))
     writer.flush()
 
@@ -482,15 +511,15 @@ class CachingCapture:
             return states
         packed = position_ids is not None and attention_mask is None
         aux, last = states.aux_hidden.detach(), states.last_hidden.detach()
-        start = 0
+        start, items = 0, []
         for row, i in enumerate(ids):
             sample = self.samples[i]
             n = len(sample.input_ids)
             a, h = (aux[0, start:start + n], last[0, start:start + n]) if packed else (aux[row, :n], last[row, :n])
             start += n
             if i not in self.writer.done:
-                self.writer.add(i, a, h, sample.input_ids, sample.loss_mask)
-        self.writer.end_batch()
+                items.append((i, a, h, sample.input_ids, sample.loss_mask))
+        self.writer.add_batch(items)
         return states
 
     def finish(self, device, aux_layer_ids: list[int], world: int, batch_tokens: int, barrier) -> None:
