@@ -74,11 +74,10 @@ def block_labels(teacher_ids, loss_mask, anchor_positions, block_valid, block_si
     """Labels (B, N, B_k-1) of mask slots 1..B_k-1 and whether each counts (see the module docstring)."""
     b, s = teacher_ids.shape
     n = anchor_positions.shape[1]
-    pos = anchor_positions.unsqueeze(-1) + torch.arange(1, block_size, device=teacher_ids.device)  # (B, N, B_k-1)
-    inside = pos < s
-    safe = pos.clamp(max=s - 1).view(b, -1)
-    labels = teacher_ids.gather(1, safe - 1).view(b, n, -1)  # argmax of the target's logits one position earlier
-    valid = inside & (loss_mask.gather(1, safe).view(b, n, -1) > 0) & block_valid.unsqueeze(-1)
+    source = label_source_positions(anchor_positions, block_size, s)  # (B, N, B_k-1): a + k - 1, clamped
+    inside = anchor_positions.unsqueeze(-1) + torch.arange(1, block_size, device=teacher_ids.device) < s
+    labels = teacher_ids.gather(1, source.view(b, -1)).view(b, n, -1)  # the target's argmax one position earlier
+    valid = inside & (loss_mask.gather(1, (source + 1).view(b, -1)).view(b, n, -1) > 0) & block_valid.unsqueeze(-1)
     return labels, valid
 
 
