@@ -22,9 +22,13 @@ S context tokens, and N*(B_k-1) slots read out by the target's frozen head:
 For MTP (draftsmith/models/mtp/): D depths, each one module over every position:
 
     target_forward   as above
-    teacher_head     the target's head at every position, once (depth d's teacher is position i+d's distribution)
+    teacher_head     the target's head at the positions under the loss, once (depth d's teacher is position
+                     i+d's distribution)
     drafter          per depth: eh_proj (2H -> H) and one decoder layer of the target's shape, forward and
                      backward; the frozen head at the positions under that depth's loss, forward and input gradient
+
+The trainer passes the share of positions under the loss in its data (`loss_share`): DFlash anchors blocks and
+MTP reads its heads only there, so their counts per token follow it; EAGLE-3's steps run at every position.
 
 `tests/test_flops.py` checks the counts against torch's FlopCounterMode on tiny models.
 """
@@ -93,16 +97,18 @@ def dflash_flops_per_token(target_config, drafter_config, seq_len: int, anchors:
     return terms
 
 
-def mtp_flops_per_token(target_config, num_depths: int, seq_len: int, attention: str = "causal") -> dict[str, float]:
-    """FLOP per token of online MTP training with `num_depths` depths over sequences of `seq_len` wholly under the
-    loss (depth d's head reads the seq_len - 1 - d positions whose t_{i+1+d} exists), by term, and their total.
-    The block is counted as one of the target's own (Llama-style) decoder layers."""
+def mtp_flops_per_token(target_config, num_depths: int, seq_len: int, attention: str = "causal",
+                        loss_share: float = 1.0) -> dict[str, float]:
+    """FLOP per token of online MTP training with `num_depths` depths over sequences of `seq_len`, by term, and
+    their total. Depth d's head reads the seq_len - 1 - d positions whose t_{i+1+d} exists, times `loss_share`,
+    the share of them under the loss (1: the whole sequence), and so does its teacher. The block is counted as one
+    of the target's own (Llama-style) decoder layers."""
     h, v = target_config.hidden_size, target_config.vocab_size
     block = target_forward_flops(target_config, seq_len, attention) / target_config.num_hidden_layers
     eh_proj = 2 * 2 * h * h
-    heads = sum(max(0, seq_len - 1 - d) for d in range(1, num_depths + 1)) / seq_len  # head rows per token
+    heads = loss_share * sum(max(0, seq_len - 1 - d) for d in range(1, num_depths + 1)) / seq_len  # rows a token
     terms = {"target_forward": target_forward_flops(target_config, seq_len, attention),
-             "teacher_head": 2.0 * h * v,
+             "teacher_head": loss_share * 2.0 * h * v,
              "drafter_forward_backward": 3.0 * num_depths * (eh_proj + block) + 2.0 * heads * 2 * h * v}
     terms["total"] = sum(terms.values())
     return terms

@@ -523,11 +523,11 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         accelerator.init_trackers(cfg.run_name or output_dir.name, config=_flat(recipe_to_dict(recipe)))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if hasattr(method, "anchor_candidate_share"):  # DFlash: anchors are positions whose next token is trained
-        candidates = sum(sum(sample.loss_mask[1:]) for sample in data.train)  # loss masks hold 0 and 1
-        method.anchor_candidate_share = candidates / max(1, sum(n - 1 for n in lengths))
+    # share of positions whose next token is trained (loss masks hold 0 and 1): DFlash anchors only there, MTP
+    # reads its head only there, so their FLOPs per token follow the data
+    loss_share = sum(sum(sample.loss_mask[1:]) for sample in data.train) / max(1, sum(n - 1 for n in lengths))
     flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
-                                          target_runs=store_dir is None)
+                                          target_runs=store_dir is None, loss_share=loss_share)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
     stuck = StuckWatch()
 
@@ -731,7 +731,7 @@ def _eval_selector(stored, data):
                                             [s.input_ids for s in data.eval[start:end]])
 
 
-def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: bool = True):
+def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: bool = True, loss_share: float = 1.0):
     """(`flops_at(seq_len)`: model FLOP per trained token, cached per length, the matrix rate in TFLOP/s that MFU is
     measured against or None) for methods that count FLOPs, else (None, None); logs the count at the median sample
     length, term by term, and the rate."""
@@ -740,7 +740,7 @@ def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: boo
         return None, None
 
     def count(seq_len: int) -> dict[str, float]:
-        terms = dict(per_token(seq_len))
+        terms = dict(per_token(seq_len, loss_share))
         if not target_runs:  # read from a hidden-state store: the target's layers do not run
             terms.pop("target_forward")
             terms["total"] = sum(v for k, v in terms.items() if k != "total")

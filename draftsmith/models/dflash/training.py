@@ -59,13 +59,10 @@ class DflashMethod:
         self.soft_targets = section.loss == "soft_ce"
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
 
-    # share of a sample's positions that can anchor a block (the next token is under the loss); the trainer sets
-    # it from the training data, so the FLOP count follows the anchors a sample really gets
-    anchor_candidate_share = 1.0
-
-    def flops_per_token(self, seq_len: int) -> dict[str, float]:
-        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log."""
-        anchors = min(self.num_anchors, max(1, round((seq_len - 1) * self.anchor_candidate_share)))
+    def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
+        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log. Blocks anchor
+        only where the next token is under the loss: `loss_share` of the positions (the trainer's data)."""
+        anchors = min(self.num_anchors, max(1, round((seq_len - 1) * loss_share)))
         return dflash_flops_per_token(self.target.config, self.config, seq_len, anchors)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> DflashDrafter:

@@ -36,8 +36,9 @@ class Eagle3Method:
             else []
         self.aux_layer_ids = self.config.aux_layer_ids
 
-    def flops_per_token(self, seq_len: int) -> dict[str, float]:
-        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log."""
+    def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
+        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log. The TTT steps
+        and their head run at every position, so the share of positions under the loss does not change it."""
         return eagle3_flops_per_token(self.target.config, self.config, seq_len, self.ttt_steps)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:

@@ -43,9 +43,10 @@ class MtpMethod:
         )
         self.init_from_native = self.native is not None and mtp.init_from_native
 
-    def flops_per_token(self, seq_len: int) -> dict[str, float]:
-        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log."""
-        return mtp_flops_per_token(self.target.config, self.num_depths, seq_len)
+    def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
+        """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log; the heads
+        read only the `loss_share` of positions under the loss."""
+        return mtp_flops_per_token(self.target.config, self.num_depths, seq_len, loss_share=loss_share)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> MtpDrafter:
         """An fp32 drafter: native MTP weights when present, else freshly initialised modules (on the fixture,
