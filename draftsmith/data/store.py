@@ -217,11 +217,12 @@ class ShardWriter:
         aux = torch.cat([a for _, a, _, _, _ in items])  # (T, n*H): every sample's rows, one after the other
         last = torch.cat([h for _, _, h, _, _ in items])  # (T, H)
         finite = torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1)  # (T,), checked once it lands
-        stored = {f"aux{k}": v for k, v in quantize_rows(aux, self.dtype).items()}
-        stored.update({f"last{k}": v for k, v in quantize_rows(last, self.dtype).items()})
+        stored = {f"{kind}{suffix}": tensor for kind, value in (("aux", aux), ("last", last))
+                  for suffix, tensor in quantize_rows(value, self.dtype).items()}
         hosts, wait = dev.device_to_host_async([finite, *stored.values()])
         meta = [(i, a.shape[0], ids, mask) for i, a, _, ids, mask in items]
-        self._in_flight = (meta, list(stored), hosts, wait, aux.shape[-1] // last.shape[-1], last.shape[-1])
+        per_token = bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1], self.dtype)
+        self._in_flight = (meta, list(stored), hosts, wait, per_token)
         self.done.update(i for i, *_ in meta)
 
     def _land(self) -> None:
@@ -229,7 +230,7 @@ class ShardWriter:
         the shard to the writer threads if it is full."""
         if self._in_flight is None:
             return
-        meta, names, hosts, wait, num_aux, hidden = self._in_flight
+        meta, names, hosts, wait, per_token = self._in_flight
         self._in_flight = None
         wait()
         # out of the pinned staging copies at once, so the pinned pool stays two batches deep: a new pinned block
@@ -238,7 +239,6 @@ class ShardWriter:
         lengths = [n for _, n, _, _ in meta]
         finite = hosts[0].split(lengths)
         parts = [h.split(lengths) for h in hosts[1:]]
-        per_token = bytes_per_token(hidden, num_aux, self.dtype)
         for j, (i, n, input_ids, loss_mask) in enumerate(meta):
             if not bool(finite[j].all()):
                 raise StoreError(f"collect: the target's hidden states for sample {i} are not finite (NaN or inf): "
