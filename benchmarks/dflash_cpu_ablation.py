@@ -64,10 +64,25 @@ def slot_accuracy(drafter, target, batches, config, anchors):
     return (correct / count.clamp(min=1)).tolist()
 
 
+def init_layers_from_target(drafter, target) -> None:
+    """init=target: start each draft layer as one of the target's top layers (the names and shapes a DFlash layer
+    shares with a Llama layer; q_norm/k_norm stay at one). Measured worse than the random start (README of
+    results/drafters_6min_h200), so it lives here and not in the model."""
+    top = target.layers[len(target.layers) - len(drafter.layers):]
+    with torch.no_grad():
+        for layer, source in zip(drafter.layers, top):
+            theirs = dict(source.named_parameters())
+            for name, param in layer.named_parameters():
+                if name in theirs:
+                    param.copy_(theirs[name].to(param.dtype))
+
+
 def run_variant(target, config, train, held_out, settings, args):
     torch.manual_seed(0)
     drafter = DflashDrafter(config)
     init_drafter(drafter, target.embed_tokens.weight)
+    if settings.get("init", "random") == "target":
+        init_layers_from_target(drafter, target)
     lr = float(settings.get("lr", 1e-3))
     gamma = float(settings.get("gamma", 7.0))
     if settings.get("optimizer", "adamw") == "muon":
@@ -113,7 +128,7 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--variant", action="append", required=True, metavar="NAME:key=value,...",
-                   help="optimizer=adamw|muon, lr=..., loss=ce|soft_ce, gamma=...; repeat for each variant")
+                   help="optimizer=adamw|muon, lr=..., loss=ce|soft_ce, gamma=..., init=random|target; repeat for each variant")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     variants = {}

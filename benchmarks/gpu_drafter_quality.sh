@@ -14,9 +14,13 @@
 #                   `draftsmith eval` of them next to n-gram at temperature 0;
 #                   DATA=regenerated trains on STAGE=regen's output, METHOD_EXTRA (e.g. DFLASH_EXTRA) overrides
 #                   one method's recipe
-#   STAGE=variants  VARIANTS (space-separated, each a comma-joined list of key=value overrides of RECIPE) trained
-#                   side by side on the regenerated data for FULL_MINUTES, then `draftsmith eval` at FULL_KS
-#                   (EVAL_ARGS, e.g. "--batch-size 8", go to both stages' eval)
+#   STAGE=speed     EAGLE-3 training speed on the peer's data under SPEED_VARIANTS and an OLD_TREE's code, then
+#                   draftsmith's side of the peer benchmark with the fastest for PEER_SECONDS (see the stage)
+#   STAGE=variants  VARIANTS (space-separated, each a comma-joined list of key=value overrides of RECIPE, or of the
+#                   recipe the item starts with: "recipes/eagle3_fixture.yaml,training.lr=1e-3") trained side by
+#                   side on the regenerated data for FULL_MINUTES, then `draftsmith eval` at FULL_KS
+#                   (EVAL_ARGS, e.g. "--batch-size 8", go to both stages' eval); EVAL_T1 (flags, e.g.
+#                   "--num-prompts 40") adds an eval of the same drafters at temperature 1
 #
 # Inputs travel in the git-ignored .gpu/ folder (name it and .whl in the device call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -6 > .gpu/fixture.tar.xz
@@ -140,17 +144,24 @@ case "$STAGE" in
     fi
     variants=(${VARIANTS:?VARIANTS=\"a=1,b=2 c=3\": one run per space-separated item})
     configs=()
+    recipes=()
     for i in "${!variants[@]}"; do
-      python3 -m draftsmith.cli train "${RECIPE:?RECIPE=recipes/....yaml}" \
+      overrides="${variants[$i]}"
+      recipe="${RECIPE:-}"
+      case "$overrides" in *.yaml*) recipe="${overrides%%.yaml*}.yaml"; overrides="${overrides#*.yaml}"; overrides="${overrides#,}" ;; esac
+      recipes+=("${recipe:?RECIPE=recipes/....yaml, or a variant that starts with its recipe}")
+      variants[$i]="$overrides"
+      python3 -m draftsmith.cli train "$recipe" \
         data.path=.devdata/regenerated/regenerated.jsonl training.max_minutes="${FULL_MINUTES:-6.0}" \
-        output_dir=/tmp/variants-$$/$i ${variants[$i]//,/ } > "$OUT/train_variant_$i.log" 2>&1 &
+        output_dir=/tmp/variants-$$/$i ${overrides//,/ } > "$OUT/train_variant_$i.log" 2>&1 &
     done
     wait
     for i in "${!variants[@]}"; do
-      echo "variant $i (${variants[$i]}):"; grep -E "time budget|done:|Error|error" "$OUT/train_variant_$i.log" | tail -3
+      echo "variant $i (${recipes[$i]} ${variants[$i]}):"
+      grep -E "time budget|done:|Error|error" "$OUT/train_variant_$i.log" | tail -3
       cp /tmp/variants-$$/$i/metrics.jsonl "$OUT/metrics_variant_$i.jsonl" 2>/dev/null
       method=$(python3 -c "import sys; from draftsmith.config import load_recipe as r
-print(r(sys.argv[1], sys.argv[2:]).model.method)" "$RECIPE" ${variants[$i]//,/ })
+print(r(sys.argv[1], sys.argv[2:]).model.method)" "${recipes[$i]}" ${variants[$i]//,/ })
       configs+=(--speculative-config "{\"method\":\"$method\",\"model\":\"/tmp/variants-$$/$i\"}")
     done
     timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_bench=.devdata/question.jsonl \
@@ -158,7 +169,57 @@ print(r(sys.argv[1], sys.argv[2:]).model.method)" "$RECIPE" ${variants[$i]//,/ }
       ${EVAL_ARGS:-} 2>&1 \
       | grep -v "Loading weights" | tail -12
     cp "$OUT"/eval_variants/eval.json "$OUT/eval_variants.json" 2>/dev/null; rm -rf "$OUT/eval_variants"
+    if [ -n "${EVAL_T1:-}" ]; then  # the same drafters sampled at temperature 1 (EVAL_T1 = extra eval flags)
+      timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_bench=.devdata/question.jsonl \
+        --max-new-tokens 256 --num-speculative-tokens ${FULL_KS:-5} --out "$OUT/eval_variants_t1" "${configs[@]}" \
+        --temperature 1 --seed 0 ${EVAL_ARGS:-} ${EVAL_T1} 2>&1 | grep -v "Loading weights" | tail -12
+      cp "$OUT"/eval_variants_t1/eval.json "$OUT/eval_variants_t1.json" 2>/dev/null; rm -rf "$OUT/eval_variants_t1"
+    fi
     ;;
-  *) echo "STAGE must be ablation, peer, regen, full or variants, not '$STAGE'" >&2; exit 2 ;;
+  speed)
+    # EAGLE-3's training speed on the peer benchmark's data, one process at a time: the recipe as it is, under each
+    # of SPEED_VARIANTS (space-separated, each comma-joined overrides), and the code of OLD_TREE (a `git archive
+    # --prefix=old/` tarball in .gpu/) with its own recipe; SPEED_STEPS steps each. Then draftsmith's side of the
+    # peer benchmark again with the fastest variant: PEER_SECONDS of training (speculators' measured loop) and the
+    # simulated tau at T=0 and T=1 (benchmarks/acceptance.py, as peer_eagle3.py scores both trainers).
+    [ -f .devdata/sharegpt_2500.jsonl ] || xz -dc .gpu/sharegpt_2500.jsonl.xz > .devdata/sharegpt_2500.jsonl
+    steps="training.max_minutes=null training.max_steps=${SPEED_STEPS:-30} training.log_every=5"
+    steps="$steps training.eval_every=100000 training.save_every=100000"
+    rate() {  # median tokens/s of the logged windows after the first 10 steps
+      python3 -c "import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '\"tokens_per_s\"' in l]
+print(round(statistics.median(r['tokens_per_s'] for r in rows if r['step'] > 10)))" "$1"
+    }
+    names=(recipe) runs=("")
+    for v in ${SPEED_VARIANTS:-}; do names+=("$v"); runs+=("${v//,/ }"); done
+    : > "$OUT/speed.tsv"
+    for i in "${!runs[@]}"; do
+      python3 -m draftsmith.cli train recipes/eagle3_fixture.yaml $SHARED $steps output_dir=/tmp/speed-$$/$i \
+        ${runs[$i]} > "$OUT/speed_$i.log" 2>&1
+      printf '%s\t%s\n' "${names[$i]}" "$(rate /tmp/speed-$$/$i/metrics.jsonl)" | tee -a "$OUT/speed.tsv"
+    done
+    if [ -n "${OLD_TREE:-}" ]; then
+      root=$PWD out=$(cd "$OUT" && pwd)
+      rm -rf /tmp/old && tar -xJf ".gpu/$OLD_TREE" -C /tmp && ln -s "$root/.fixture" "$root/.devdata" /tmp/old/
+      (cd /tmp/old && python3 -m draftsmith.cli train recipes/eagle3_fixture.yaml $SHARED $steps \
+        output_dir=/tmp/speed-$$/old > "$out/speed_old.log" 2>&1)
+      printf 'old %s\t%s\n' "$OLD_TREE" "$(rate /tmp/speed-$$/old/metrics.jsonl)" | tee -a "$OUT/speed.tsv"
+    fi
+    best=$(python3 -c "import sys
+rows = [l.rstrip('\n').split('\t') for l in open(sys.argv[1])][:len(sys.argv) - 2]
+print(max(range(len(rows)), key=lambda i: float(rows[i][1] or 0)))" "$OUT/speed.tsv" "${runs[@]}")
+    echo "fastest: ${names[$best]}" | tee -a "$OUT/speed.tsv"
+    if [ -n "${PEER_SECONDS:-}" ]; then
+      minutes=$(python3 -c "print(${PEER_SECONDS} / 60)")
+      python3 -m draftsmith.cli train recipes/eagle3_fixture.yaml $SHARED training.max_minutes=$minutes \
+        output_dir=/tmp/peer-side-$$ ${runs[$best]} > "$OUT/peer_side_train.log" 2>&1
+      grep -E "time budget|done:" "$OUT/peer_side_train.log" | tail -3
+      for t in greedy t1; do
+        timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_${t}_fp32.json \
+          --drafter draftsmith=/tmp/peer-side-$$ --out "$OUT/peer_side_sim_$t.json" 2>&1 | tail -2
+      done
+    fi
+    ;;
+  *) echo "STAGE must be ablation, peer, regen, full, variants or speed, not '$STAGE'" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -172,9 +172,11 @@ class TrainingConfig(BaseModel):
     time_probe_steps: int = Field(10, ge=3)  # with max_minutes: steps timed (at lr 0) to plan the schedule
     # EAGLE-3 memory: TTT attention computes this many queries at a time and recomputes them in the backward pass
     # (no S x S scores are kept; shorter sequences take one block), and the loss reads the head's logits this many
-    # positions at a time (no step's (B, S, V_d) logits are kept). Neither changes the result.
-    ttt_query_block: int = Field(1024, ge=16)
-    loss_chunk_size: int = Field(1024, ge=16)
+    # positions at a time (no step's (B, S, V_d) logits are kept). Neither changes the result. None: chosen by size
+    # (kernels/ttt_attention.query_block_for: one block while a step's B*h*S*S scores fit 2^28; eagle3/loss
+    # .loss_chunk_rows: 2^27 logits a chunk), since blocking costs small models time for memory they do not need.
+    ttt_query_block: int | None = Field(None, ge=16)
+    loss_chunk_size: int | None = Field(None, ge=16)
     # EAGLE-3 long contexts: recompute each TTT step's decoder layer in the backward pass (keeps only its inputs;
     # about a third more drafter compute for most of its activation memory); and fuse each step's elementwise work
     # with torch.compile (the first steps compile)

@@ -171,3 +171,51 @@ def test_compiled_ttt_steps_give_the_same_loss_and_gradients():
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
+    """training.ttt_query_block and loss_chunk_size left at None: one attention block while a step's B*h*S*S scores
+    fit DENSE_SCORES_LIMIT, blocks of 1024 beyond it; loss chunks of LOSS_CHUNK_ELEMENTS logits. Whichever is
+    chosen, the loss and gradients are those of whole-step logits."""
+    import draftsmith.kernels.ttt_attention as attention
+    import draftsmith.models.eagle3.loss as eagle3_loss
+    from draftsmith.config import TrainingConfig
+
+    assert TrainingConfig().ttt_query_block is None and TrainingConfig().loss_chunk_size is None
+    assert attention.query_block_for(4, 6, 2048, None) == 2048  # the fixture's 8,192-token steps: one block
+    assert attention.query_block_for(4, 32, 2048, None) == 1024  # an 8B shape's (32 heads): blocked
+    assert attention.query_block_for(4, 6, 2048, 512) == 512  # a value set in the recipe stands
+    assert eagle3_loss.loss_chunk_rows(12_000, None) == 11_184 and eagle3_loss.loss_chunk_rows(32_000, None) == 4_194
+    assert eagle3_loss.loss_chunk_rows(12_000, 100) == 100
+
+    drafter = tiny_drafter()
+    aux, embeds, last_hidden, head, loss_mask = ttt_batch(s=40)
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask)
+    want_loss, _ = ttt_loss(drafter.forward_ttt(aux, embeds, 3), teacher, in_draft, loss_mask)
+    want = torch.autograd.grad(want_loss, list(drafter.parameters()))
+
+    def run():
+        calls = []
+        real = attention.checkpoint
+
+        def counted(fn, *args, **kwargs):
+            calls.append(fn.__name__)
+            return real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(attention, "checkpoint", counted)
+        monkeypatch.setattr(eagle3_loss, "checkpoint", counted)
+        loss, _ = drafter(aux, embeds, 3, loss_targets=targets)
+        grads = torch.autograd.grad(loss, list(drafter.parameters()))
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        return calls.count("_attend"), calls.count("_chunk_loss")
+
+    assert run() == (0, 3)  # small: one attention block (nothing recomputed), one loss chunk per TTT step
+    monkeypatch.setattr(attention, "DENSE_SCORES_LIMIT", 3 * 4 * 40 * 40 - 1)
+    monkeypatch.setattr(attention, "DEFAULT_QUERY_BLOCK", 16)
+    monkeypatch.setattr(eagle3_loss, "LOSS_CHUNK_ELEMENTS", 24 * 50)  # 1,024 rows: the floor of a chunk
+    assert run() == (3 * 3, 3)  # past the limit: 3 blocks of 16 queries per step, recomputed
+    monkeypatch.setattr(eagle3_loss, "loss_chunk_rows", lambda vocab, size: 50)
+    assert run() == (3 * 3, 3 * 3)  # 3 x 40 rows in chunks of 50: 3 per step

@@ -10,7 +10,11 @@ backward pass, so a TTT-7 step holds seven S x S score tensors. `ttt_attention` 
 queries at a time, each block against only the keys it can see (queries < b see keys < b, which also skips the
 masked half of the work), under activation checkpointing: the backward pass recomputes one block's scores at a
 time instead of keeping them, so no S x S tensor ever exists. Sequences of at most `query_block` positions take
-the reference path unchanged (nothing recomputed). Plain torch: the same code runs on CUDA, ROCm, NPU and CPU.
+the reference path unchanged (nothing recomputed). By default (`query_block=None`) a batch whose whole scores fit
+`DENSE_SCORES_LIMIT` takes the reference path too: blocking and recomputing cost a small model's short sequences
+more time than the memory is worth (the fixture target's 8,192-token steps of samples up to 2,048 tokens: the
+blocked path and a chunked loss took 293 ms a step, 131 ms without either; benchmarks/results/peer_eagle3_h200).
+Plain torch: the same code runs on CUDA, ROCm, NPU and CPU.
 
 `doc_ids` (B, S), given for rows of packed samples, also hides every key of another sample (the diagonal keys sit
 at the query's own position, so they are always its own sample's).
@@ -22,6 +26,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_QUERY_BLOCK = 1024  # queries per block: scores of (B, h, 1024, <=S) at a time
+DENSE_SCORES_LIMIT = 1 << 28  # B*h*S*S scores of one TTT step held whole (1 GiB in float32) before blocking pays
+
+
+def query_block_for(batch: int, heads: int, seq_len: int, query_block: int | None) -> int:
+    """The block `ttt_attention` computes at a time: `query_block` if given, else the whole sequence while its
+    (B, h, S, S) scores stay within DENSE_SCORES_LIMIT, else DEFAULT_QUERY_BLOCK."""
+    if query_block is not None:
+        return query_block
+    return seq_len if batch * heads * seq_len * seq_len <= DENSE_SCORES_LIMIT else DEFAULT_QUERY_BLOCK
 
 
 def _attend(q, keys0, values0, diag_keys, diag_values, scale: float, offset: int, doc_q=None, doc_k=None):
@@ -48,10 +61,12 @@ def ttt_attention_reference(q, keys0, values0, diag_keys, diag_values, scale: fl
     return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0, doc_ids, doc_ids)
 
 
-def ttt_attention(q, keys0, values0, diag_keys, diag_values, scale: float, query_block: int = DEFAULT_QUERY_BLOCK,
+def ttt_attention(q, keys0, values0, diag_keys, diag_values, scale: float, query_block: int | None = None,
                   doc_ids=None):
-    """`ttt_attention_reference`, `query_block` queries at a time, recomputed in the backward pass (see module)."""
-    s = q.shape[-2]
+    """`ttt_attention_reference`, `query_block` queries at a time (None: `query_block_for`'s choice), recomputed in
+    the backward pass (see module)."""
+    b, h, s, _ = q.shape
+    query_block = query_block_for(b, h, s, query_block)
     if s <= query_block:
         return _attend(q, keys0, values0, diag_keys, diag_values, scale, 0, doc_ids, doc_ids)
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys0, values0, *diag_keys))

@@ -137,13 +137,24 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
     return torch.where(valid, per_pos, 0.0).sum(), correct
 
 
+# Logit elements of one loss chunk (512 MiB in float32): the fixture's 8,192 rows a step over its 12,000-token draft
+# vocabulary in one chunk, an 8B shape's 32,000-token one 4,194 rows at a time. Each chunk costs a pass of small
+# kernels (forward, recompute, backward): 1,024-row chunks made the fixture's training step 1.4x slower.
+LOSS_CHUNK_ELEMENTS = 1 << 27
+
+
+def loss_chunk_rows(draft_vocab_size: int, chunk_size: int | None) -> int:
+    """Rows per chunk of `fused_ttt_loss`: `chunk_size` if given, else as many as LOSS_CHUNK_ELEMENTS allows."""
+    return chunk_size if chunk_size is not None else max(1024, LOSS_CHUNK_ELEMENTS // draft_vocab_size)
+
+
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
                    kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
-                   chunk_size: int = 1024, doc_ids=None, count_mean=None):
+                   chunk_size: int | None = None, doc_ids=None, count_mean=None):
     """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
 
-    Positions are flattened to B*S rows and read `chunk_size` at a time; each chunk's logits, float32 softmaxes and
-    loss are recomputed in the backward pass (activation checkpointing). Step i's teacher for flattened row r is
+    Positions are flattened to B*S rows and read `chunk_size` at a time (None: `loss_chunk_rows`); each chunk's
+    logits, float32 softmaxes and loss are recomputed in the backward pass (activation checkpointing). Step i's teacher for flattened row r is
     teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it would cross into the next
     sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so every chunk's teacher is a
     contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
@@ -151,6 +162,7 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
     b, s, _ = step_hidden[0].shape
     rows = b * s
     teacher = teacher_draft_logits.reshape(rows, -1)  # (B*S, V_d), a view
+    chunk_size = loss_chunk_rows(teacher.shape[-1], chunk_size)
     total = 0.0
     metrics: dict[str, torch.Tensor] = {}
     correct_steps, valid_steps = [], []

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.kernels.ttt_attention import DEFAULT_QUERY_BLOCK, ttt_attention
+from draftsmith.kernels.ttt_attention import ttt_attention
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.target import KVCache, attend
 
@@ -102,7 +102,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
-        self.query_block = DEFAULT_QUERY_BLOCK  # training: TTT attention queries per block (not saved)
+        self.query_block: int | None = None  # training: TTT attention queries per block, None = chosen (not saved)
         self.checkpoint_steps = False  # training: recompute each TTT step's layer in the backward pass
         self._compiled_steps = None  # (qkv, finish) compiled by compile_steps
 
@@ -171,7 +171,7 @@ class Eagle3Drafter(nn.Module):
         return finish(out, hidden), k, v
 
     def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None, return_hidden: bool = False,
-                    query_block: int = DEFAULT_QUERY_BLOCK, doc_ids=None):
+                    query_block: int | None = None, doc_ids=None):
         """Unroll `num_steps` draft steps over a whole sequence at once; returns per-step logits (B, S, V_d), or with
         `return_hidden` the per-step output hidden states (B, S, H) that `logits` reads (the fused loss does so a
         chunk of positions at a time, so the logits of a whole step never exist).
@@ -180,7 +180,7 @@ class Eagle3Drafter(nn.Module):
         Step i at position t takes embed(x_{t+1+i}) and, for i > 0, the drafter's own output hidden of step i-1
         at t, sits at position t+i, and predicts x_{t+2+i}. Its query attends causally to the step-0 keys and to
         the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6; kernels/ttt_attention.py
-        computes it `query_block` queries at a time, so no S x S scores are kept).
+        computes it `query_block` queries at a time when the whole scores would be large, so no S x S scores are kept).
         Positions whose input token lies past the end get zero embeddings; the loss masks them.
         Packed rows: `position_ids` restart in every sample (RoPE) and `doc_ids` (B, S) keep the attention inside
         each; a position whose input or target lies in the next sample is masked by the loss (same `doc_ids`).
