@@ -17,13 +17,15 @@ built from config (no download) over the first --shape-tokens tokens of the same
   store, with tokens/s and the simulated greedy acceptance over --answers (benchmarks/acceptance.py).
 
 Every part is saved to --out as it finishes. --tiny runs a tiny random shape instead of the 8B one (a CPU smoke);
---shape-dtypes picks the 8B shape's store dtypes, --no-fixture skips the fixture's collections and the training.
+--shape-dtypes picks the 8B shape's store dtypes and --shape-writers its writers (`shard_writer`: draftsmith's,
+the safetensors library's, none), --no-fixture skips the fixture's collections and the training.
 `--host-path GB` measures only the host side (ShardWriter against sequential writes) on synthetic states.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import shutil
 import sys
@@ -67,8 +69,56 @@ def forward_only(target, aux_ids, samples, batches) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def shard_writer(kind: str):
+    """The writer a collection runs with: `product` (draftsmith's: safetensors written from memory, checksummed
+    from memory in a second thread), `library` (what it was before: safetensors' save_file, then the file read
+    back for its checksum) or `no-save` (shards neither written nor checksummed: the device and main-thread path
+    alone, the bound a writer can reach). Also times the final flush (landing the last batch, waiting for the last
+    shard), a cost a long collection pays once."""
+    import draftsmith.data.store as store
+    from draftsmith.models.checkpoint import save_safetensors_atomic
+
+    saved = {name: getattr(store, name) for name in ("write_shard", "shard_sha256")}
+    flush, timing = store.ShardWriter.flush, {"final_flush_seconds": 0.0}
+    if kind == "library":
+        pending = {}
+
+        def write_shard(tensors, order, prefix, path):
+            save_safetensors_atomic({n: tensors[n] for n in order}, path)
+            pending[id(tensors)] = path
+
+        def shard_sha256(tensors, order, prefix):  # runs beside write_shard: read the file back once it is there
+            while id(tensors) not in pending:
+                time.sleep(0.005)
+            return store._sha256_file(pending.pop(id(tensors)))
+    elif kind == "no-save":
+        def write_shard(tensors, order, prefix, path):
+            path.touch()
+
+        def shard_sha256(tensors, order, prefix):
+            return ""
+    elif kind != "product":
+        raise ValueError(f"writer {kind!r}: product, library or no-save")
+
+    def timed_flush(self):
+        start = time.perf_counter()
+        flush(self)
+        timing["final_flush_seconds"] += time.perf_counter() - start
+
+    try:
+        if kind != "product":
+            store.write_shard, store.shard_sha256 = write_shard, shard_sha256
+        store.ShardWriter.flush = timed_flush
+        yield timing
+    finally:
+        for name, fn in saved.items():
+            setattr(store, name, fn)
+        store.ShardWriter.flush = flush
+
+
 def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, folder: Path, dtype, batch_tokens,
-                       max_shard_bytes, target_name) -> dict:
+                       max_shard_bytes, target_name, writer: str = "product") -> dict:
     lengths = [len(s.input_ids) for s in samples]
     tokens = sum(lengths)
     batches = plan_batches(list(range(len(samples))), lengths, batch_tokens)
@@ -76,31 +126,36 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
     shutil.rmtree(folder, ignore_errors=True)
     header = store_header(target_name, tokenizer, aux_ids, target.config.hidden_size, samples, num_train, dtype)
     dev.synchronize(target.device)
-    start = time.perf_counter()
-    collect_rank(target, aux_ids, samples, folder, header, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                 batch_tokens=batch_tokens, log=lambda *a: None)
-    index = write_index(folder, header, len(samples), 1)
-    collect_s = time.perf_counter() - start
+    with shard_writer(writer) as timing:
+        start = time.perf_counter()
+        collect_rank(target, aux_ids, samples, folder, header, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                     batch_tokens=batch_tokens, log=lambda *a: None)
+        index = write_index(folder, header, len(samples), 1)
+        collect_s = time.perf_counter() - start
     hidden = target.config.hidden_size
     theory = (len(aux_ids) + 1) * hidden * getattr(torch, dtype).itemsize
-    row = {"target": name, "dtype": dtype, "samples": len(samples), "tokens": tokens, "batches": len(batches),
+    row = {"target": name, "dtype": dtype, "writer": writer, "samples": len(samples), "tokens": tokens,
+           "batches": len(batches),
            "batch_tokens": batch_tokens, "aux_layer_ids": list(aux_ids), "hidden_size": hidden,
            "forward_only_seconds": round(forward_s, 3), "forward_only_tokens_per_s": round(tokens / forward_s),
            "collect_seconds": round(collect_s, 3), "collect_tokens_per_s": round(tokens / collect_s),
            "collect_over_forward_only": round(forward_s / collect_s, 3),
+           "final_flush_seconds": round(timing["final_flush_seconds"], 3),
            "store_bytes": index["bytes"], "shards": len(index["shards"]),
            "bytes_per_token": round(index["bytes"] / tokens, 2), "theoretical_bytes_per_token": theory,
            "store_over_theoretical": round(index["bytes"] / (tokens * theory), 4)}
-    print(f"{name} {dtype}: forward {row['forward_only_tokens_per_s']:,} tok/s, collect "
+    print(f"{name} {dtype} ({writer} writer): forward {row['forward_only_tokens_per_s']:,} tok/s, collect "
           f"{row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
-          f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x)", flush=True)
+          f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x), final flush "
+          f"{row['final_flush_seconds']:.1f} s", flush=True)
     return row
 
 
 def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int = 3, length: int = 512) -> dict:
     """The collector's host side alone, on synthetic bf16 states of an 8B-shaped target: ShardWriter (shards
-    serialised in one thread, checksummed and recorded in another, while the caller goes on) against the same
-    shards written and checksummed one after the other in the caller, as collection did before."""
+    written in one thread, checksummed and recorded in another, while the caller goes on) with draftsmith's
+    writer and with safetensors' (`shard_writer`), against the same shards written and checksummed one after the
+    other in the caller, as collection did first."""
     from draftsmith.data.store import ShardWriter, _sha256_file
     from draftsmith.models.checkpoint import save_safetensors_atomic
 
@@ -110,12 +165,17 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
     ids, mask = list(range(length)), [1] * length
     shard_bytes = 500_000_000
     shutil.rmtree(folder, ignore_errors=True)
-    start = time.perf_counter()
-    writer = ShardWriter(folder / "writer", 0, {"bench": 1}, "bfloat16", shard_bytes, "a benchmark")
-    for i in range(count):
-        writer.add_batch([(i, aux, last, ids, mask)])
-    writer.flush()
-    threaded = time.perf_counter() - start
+    seconds = {}
+    for kind in ("library", "product"):
+        with shard_writer(kind):
+            start = time.perf_counter()
+            writer = ShardWriter(folder / kind, 0, {"bench": 1}, "bfloat16", shard_bytes, "a benchmark")
+            for i in range(count):
+                writer.add_batch([(i, aux, last, ids, mask)])
+            writer.flush()
+            seconds[kind] = time.perf_counter() - start
+        shutil.rmtree(folder / kind, ignore_errors=True)
+    threaded = seconds["product"]
     start = time.perf_counter()
     pending, size, n = {}, 0, 0
     for i in range(count):
@@ -134,9 +194,12 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
     shutil.rmtree(folder, ignore_errors=True)
     row = {"bytes": total, "samples": count, "sample_tokens": length, "hidden_size": hidden, "num_aux": num_aux,
            "max_shard_bytes": shard_bytes, "shard_writer_mb_per_s": round(total / threaded / 1e6),
-           "sequential_mb_per_s": round(total / sequential / 1e6), "ratio": round(sequential / threaded, 3)}
-    print(f"host path: ShardWriter {row['shard_writer_mb_per_s']} MB/s, sequential {row['sequential_mb_per_s']} "
-          f"MB/s ({row['ratio']:.2f}x)", flush=True)
+           "shard_writer_library_mb_per_s": round(total / seconds["library"] / 1e6),
+           "sequential_mb_per_s": round(total / sequential / 1e6), "ratio": round(sequential / threaded, 3),
+           "product_over_library": round(seconds["library"] / threaded, 3)}
+    print(f"host path: ShardWriter {row['shard_writer_mb_per_s']} MB/s (with safetensors' save_file "
+          f"{row['shard_writer_library_mb_per_s']} MB/s), sequential {row['sequential_mb_per_s']} MB/s "
+          f"({row['ratio']:.2f}x)", flush=True)
     return row
 
 
@@ -169,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape-tokens", type=int, default=150_000, help="tokens collected with the 8B shape")
     p.add_argument("--no-8b", action="store_true")
     p.add_argument("--shape-dtypes", default="bfloat16", help="store dtypes collected with the 8B shape, comma-joined")
+    p.add_argument("--shape-writers", default="product",
+                   help="writers the 8B shape's first dtype collects with, comma-joined: product, library, no-save "
+                        "(shard_writer); further dtypes collect with the product's")
     p.add_argument("--no-fixture", action="store_true", help="skip the fixture's collections (and the training)")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny random shape instead of the 8B one (CPU smoke)")
@@ -231,13 +297,17 @@ def main(argv: list[str] | None = None) -> int:
                 break
             chosen.append(s)
             total += len(s.input_ids)
-        for dtype in args.shape_dtypes.split(","):
-            report["collection"].append(measure_collection(
-                "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen,
-                len(chosen), args.work / "store-8b", dtype, recipe.collect.batch_tokens,
-                recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape"))
-            save()
-            shutil.rmtree(args.work / "store-8b", ignore_errors=True)
+        for n, dtype in enumerate(args.shape_dtypes.split(",")):
+            for writer in args.shape_writers.split(",") if n == 0 else ["product"]:
+                if not time_left():
+                    print(f"skipping the 8B shape {dtype} {writer}: past the deadline", flush=True)
+                    continue
+                report["collection"].append(measure_collection(
+                    "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen,
+                    len(chosen), args.work / "store-8b", dtype, recipe.collect.batch_tokens,
+                    recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape", writer))
+                save()
+                shutil.rmtree(args.work / "store-8b", ignore_errors=True)
         del big
         dev.empty_cache(device)
 

@@ -81,14 +81,14 @@ def test_training_from_the_store_follows_the_online_loss_curve(collected, tmp_pa
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    import draftsmith.models.checkpoint as ckpt
-    real, calls = ckpt.save_safetensors_atomic, []
+    import draftsmith.data.store as store
+    real, calls = store.write_shard, []
     def save_then_die(*args, **kwargs):
         real(*args, **kwargs)
         calls.append(1)
         if len(calls) == 3:  # the third shard is on disk, its progress record is not
             os.kill(os.getpid(), signal.SIGKILL)
-    ckpt.save_safetensors_atomic = save_then_die
+    store.write_shard = save_then_die
     from draftsmith.cli import main
     sys.exit(main(["collect", sys.argv[1]]))
 """)
@@ -362,3 +362,46 @@ def test_the_writer_lands_each_batch_whole_and_names_a_non_finite_sample(tmp_pat
     with pytest.raises(StoreError, match="sample 1 are not finite"):
         bad.flush()
     assert not list((tmp_path / "bad").glob("shard-*"))
+
+
+def test_a_shard_is_read_back_by_safetensors_with_its_checksum_and_offsets(tmp_path):
+    """write_shard writes the safetensors format by hand (no serialised copy): safetensors' reader gets every
+    tensor back bit for bit, in each dtype a store holds; the checksum is the file's, taken from memory; each
+    offset points at its tensor's bytes; and a failed write leaves nothing."""
+    import struct
+
+    from safetensors import safe_open
+
+    from draftsmith.data.store import shard_layout, shard_sha256, write_shard
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "0.aux": torch.randn(5, 6, generator=g).to(torch.bfloat16),
+        "0.aux_scale": torch.rand(5, 1, generator=g),
+        "0.input_ids": torch.arange(5, dtype=torch.int32),
+        "0.loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.int8),
+        "1.aux": (torch.randn(3, 6, generator=g) * 100).to(torch.float8_e4m3fn),
+        "1.last": torch.randn(2, 3, 4, generator=g).to(torch.float16)[:, 1],  # a view of a bigger tensor
+    }
+    order, prefix, offsets = shard_layout(tensors)
+    path = tmp_path / "shard.safetensors"
+    write_shard(tensors, order, prefix, path)
+    assert shard_sha256(tensors, order, prefix) == _sha256_file(path)
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(tensors) and f.metadata() == {"format": "pt"}
+        for name, t in tensors.items():
+            back = f.get_tensor(name)
+            assert back.dtype == t.dtype and back.shape == t.shape
+            assert torch.equal(back.view(torch.uint8), t.contiguous().view(torch.uint8)), name
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    assert (8 + header_len) % 8 == 0 and len(raw) == len(prefix) + sum(t.numel() * t.element_size()
+                                                                       for t in tensors.values())
+    ids = tensors["0.input_ids"]
+    assert raw[offsets["0.input_ids"]:offsets["0.input_ids"] + 20] == ids.numpy().tobytes()
+    assert all(offsets[name] % tensors[name].element_size() == 0 for name in tensors)  # every tensor aligned
+
+    broken = dict(tensors, **{"2.aux": "not a tensor"})  # fails mid-write: nothing may be left behind
+    with pytest.raises(AttributeError):
+        write_shard(broken, [*order, "2.aux"], prefix, tmp_path / "broken.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]

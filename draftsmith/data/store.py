@@ -137,12 +137,60 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _aux_offsets(path: Path) -> dict[str, int]:
-    """Byte offset of each sample's aux tensor in a safetensors shard (what the index records)."""
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {name[:-4]: 8 + n + meta["data_offsets"][0] for name, meta in header.items() if name.endswith(".aux")}
+# safetensors' names of the dtypes a store holds
+_SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                      torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8"}
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """A host tensor's memory as bytes, no copy (numpy has no bfloat16 or float8, bytes it has)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def shard_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[str], bytes, dict[str, int]]:
+    """The safetensors layout of `tensors`: their order in the file (wider elements first, so every tensor starts at
+    a multiple of its element size), the file's first bytes (header length, then the JSON header padded to 8 bytes)
+    and each tensor's byte offset in the file."""
+    from draftsmith.models.checkpoint import SAFETENSORS_METADATA
+
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())  # stable: insertion order within a width
+    header: dict[str, Any] = {"__metadata__": SAFETENSORS_METADATA}
+    start = 0
+    for name in order:
+        t = tensors[name]
+        end = start + t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [start, end]}
+        start = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = struct.pack("<Q", len(text)) + text
+    offsets = {name: len(prefix) + header[name]["data_offsets"][0] for name in order}
+    return order, prefix, offsets
+
+
+def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes, path: Path) -> None:
+    """Write host `tensors` as one safetensors file (`shard_layout`'s), straight from their memory, atomically.
+
+    Why not safetensors' `save_file`: it first copies every tensor into one serialised buffer, a second pass over
+    gigabytes per shard on the collector's host path; the format is a header and the raw bytes, and safetensors'
+    own reader (`safe_open`) checks what is written here whenever a shard is read."""
+    from draftsmith.models.checkpoint import replace_atomically
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as f:
+            f.write(prefix)
+            for name in order:
+                f.write(_raw_bytes(tensors[name]))
+
+    replace_atomically(path, write)
+
+
+def shard_sha256(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes) -> str:
+    """The sha256 of the file `write_shard` writes, from the tensors in memory (no re-reading of the file)."""
+    h = hashlib.sha256(prefix)
+    for name in order:
+        h.update(_raw_bytes(tensors[name]))
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- writing
@@ -162,8 +210,9 @@ def plan_batches(ids: list[int], lengths: list[int], batch_tokens: int) -> list[
     return batches
 
 
-# Two stages, one thread each, so a shard is serialised while the one before it is checksummed and recorded; each
-# stage keeps submission order, so shards go on record in order (a resumed run names and groups them as before).
+# Two stages, one thread each: one writes a shard while the other checksums it from memory, then records it once it
+# is on disk; each stage keeps submission order, so shards go on record in order (a resumed run names and groups
+# them as before).
 _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-shard-save")
 _RECORDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-shard-record")
 
@@ -264,8 +313,6 @@ class ShardWriter:
             future.result()  # a failed write raises here, in the caller's thread
 
     def _submit(self) -> None:
-        from draftsmith.models.checkpoint import save_safetensors_atomic
-
         if not self._pending_ids:
             return
         if self._saving is not None:
@@ -277,18 +324,19 @@ class ShardWriter:
         self._next_shard += 1
         tensors, ids = self._pending, self._pending_ids
         self._pending, self._pending_ids, self._pending_bytes = {}, [], 0
-        # one metadata key: safetensors orders several at random
-        self._saving = _SAVER.submit(save_safetensors_atomic, tensors, self.folder / name)
-        self._recording.append(_RECORDER.submit(self._record, self._saving, name, ids))
+        order, prefix, offsets = shard_layout(tensors)
+        self._saving = _SAVER.submit(write_shard, tensors, order, prefix, self.folder / name)
+        self._recording.append(_RECORDER.submit(self._record, self._saving, name, ids, tensors, order, prefix,
+                                                offsets))
 
-    def _record(self, saved: Future, name: str, ids: list[tuple[int, int]]) -> None:
+    def _record(self, saved: Future, name: str, ids: list[tuple[int, int]], tensors, order, prefix, offsets) -> None:
         from draftsmith.models.checkpoint import write_json_atomic
 
+        digest = shard_sha256(tensors, order, prefix)  # while the other thread writes the same bytes
         saved.result()
         path = self.folder / name
-        offsets = _aux_offsets(path)
-        self.progress["shards"].append({"name": name, "sha256": _sha256_file(path), "bytes": path.stat().st_size,
-                                        "samples": [[i, offsets[str(i)], n] for i, n in ids]})
+        self.progress["shards"].append({"name": name, "sha256": digest, "bytes": path.stat().st_size,
+                                        "samples": [[i, offsets[f"{i}.aux"], n] for i, n in ids]})
         write_json_atomic(self.progress, self.progress_file)  # the shard counts as done only from here
 
 

@@ -185,7 +185,7 @@ def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _replace_atomically(path: Path, write) -> None:
+def replace_atomically(path: Path, write) -> None:
     """Call `write(tmp)`, fsync it, then move it over `path`; the temporary file never outlives a failure. An
     OSError names `path` (the file meant), not the temporary name, so callers can report it as it is."""
     path = Path(path)
@@ -231,11 +231,11 @@ def save_safetensors_atomic(
     """Save with {"format": "pt"} metadata (plus `metadata`, str -> str); tensors are made contiguous on CPU."""
     meta = {**SAFETENSORS_METADATA, **(metadata or {})}
     flat = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    _replace_atomically(Path(path), lambda tmp: save_file(flat, str(tmp), metadata=meta))
+    replace_atomically(Path(path), lambda tmp: save_file(flat, str(tmp), metadata=meta))
 
 
 def write_text_atomic(text: str, path: str | os.PathLike) -> None:
-    _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_json_atomic(obj: Any, path: str | os.PathLike) -> None:
