@@ -219,3 +219,68 @@ def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
     assert run() == (3 * 3, 3)  # past the limit: 3 blocks of 16 queries per step, recomputed
     monkeypatch.setattr(eagle3_loss, "loss_chunk_rows", lambda vocab, size: 50)
     assert run() == (3 * 3, 3 * 3)  # 3 x 40 rows in chunks of 50: 3 per step
+
+
+def test_mtp_and_dflash_losses_take_chunks_chosen_by_the_heads_size(monkeypatch):
+    """MTP's soft CE and DFlash's CE read the target's whole head in checkpointed row chunks: left at None, as many
+    rows as LOSS_CHUNK_ELEMENTS allows (here all in one), the same values and gradients as small explicit chunks."""
+    import draftsmith.models.eagle3.loss as eagle3_loss
+    from draftsmith.models.dflash.loss import head_cross_entropy
+    from draftsmith.models.mtp.loss import soft_ce_positions
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False)
+    torch.nn.init.normal_(head.weight, generator=g)
+    hidden = torch.randn(3, 11, 16, generator=g, requires_grad=True)
+    teacher = torch.randn(3, 11, 16, generator=g)
+    valid = torch.rand(3, 11, generator=g) > 0.3
+    labels = torch.randint(0, 40, (int(valid.sum()),), generator=g)
+    calls = []
+    real = eagle3_loss.checkpoint
+    monkeypatch.setattr(eagle3_loss, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+
+    def run(loss_fn, chunk):
+        calls.clear()
+        loss = loss_fn(chunk)
+        return loss, torch.autograd.grad(loss, hidden)[0], len(calls)
+
+    def mtp(chunk):
+        return soft_ce_positions(hidden, teacher, valid, head, chunk)[0].sum()
+
+    def dflash(chunk):
+        return head_cross_entropy(hidden[valid], labels, head.weight, chunk)[0].sum()
+
+    rows = int(valid.sum())
+    for loss_fn in (mtp, dflash):
+        chosen, explicit = run(loss_fn, None), run(loss_fn, 4)
+        assert (chosen[2], explicit[2]) == (1, -(-rows // 4))
+        torch.testing.assert_close(chosen[0], explicit[0])
+        torch.testing.assert_close(chosen[1], explicit[1])
+    assert eagle3_loss.loss_chunk_rows(128_256, None) == 1_046  # a Llama-3 head: about a GB of logits a chunk
+
+
+def test_the_loss_chunk_key_reaches_every_method(fixture_target_dir, monkeypatch):
+    """training.loss_chunk_size, set or left at null, is the chunk each method's loss reads its head with."""
+    import draftsmith.models.dflash.training as dflash_training
+    import draftsmith.models.mtp.training as mtp_training
+    from draftsmith.config import recipe_from_dict
+    from draftsmith.models.eagle3.training import Eagle3Method
+    from draftsmith.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    for chunk in (None, 64):
+        def recipe(method):
+            return recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": method},
+                                     "data": {"path": "x.jsonl"}, "output_dir": "unused",
+                                     "training": {"loss_chunk_size": chunk}, "dflash": {"num_layers": 1}})
+
+        assert Eagle3Method(recipe("eagle3"), target).loss_options["chunk_size"] == chunk
+        seen = {}
+        monkeypatch.setattr(mtp_training, "mtp_loss", lambda *a: seen.setdefault("mtp", a[-1]))
+        monkeypatch.setattr(dflash_training, "dflash_loss", lambda *a: seen.setdefault("dflash", a[-1]))
+        batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]), "attention_mask": torch.ones(1, 6, dtype=torch.long),
+                 "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
+        for method_cls, name in ((mtp_training.MtpMethod, "mtp"), (dflash_training.DflashMethod, "dflash")):
+            method = method_cls(recipe(name), target)
+            method.loss(method.build_drafter(None, None), batch)
+        assert seen == {"mtp": chunk, "dflash": chunk}

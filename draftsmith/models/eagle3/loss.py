@@ -137,15 +137,17 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
     return torch.where(valid, per_pos, 0.0).sum(), correct
 
 
-# Logit elements of one loss chunk (512 MiB in float32): the fixture's 8,192 rows a step over its 12,000-token draft
-# vocabulary in one chunk, an 8B shape's 32,000-token one 4,194 rows at a time. Each chunk costs a pass of small
-# kernels (forward, recompute, backward): 1,024-row chunks made the fixture's training step 1.4x slower.
+# Logit elements of one loss chunk (512 MiB in float32), for every method's loss (training.loss_chunk_size null):
+# EAGLE-3's fixture steps of 8,192 rows over its 12,000-token draft vocabulary in one chunk, an 8B shape's
+# 32,000-token draft head 4,194 rows at a time, a 128k-token full head (MTP, DFlash) 1,046. Each chunk costs a pass
+# of small kernels (forward, recompute, backward): 1,024-row chunks made the fixture's EAGLE-3 step 1.4x slower.
 LOSS_CHUNK_ELEMENTS = 1 << 27
 
 
-def loss_chunk_rows(draft_vocab_size: int, chunk_size: int | None) -> int:
-    """Rows per chunk of `fused_ttt_loss`: `chunk_size` if given, else as many as LOSS_CHUNK_ELEMENTS allows."""
-    return chunk_size if chunk_size is not None else max(1024, LOSS_CHUNK_ELEMENTS // draft_vocab_size)
+def loss_chunk_rows(vocab_size: int, chunk_size: int | None) -> int:
+    """Rows per loss chunk over a head of `vocab_size` outputs: `chunk_size` if given, else as many as
+    LOSS_CHUNK_ELEMENTS allows (at least 1,024)."""
+    return chunk_size if chunk_size is not None else max(1024, LOSS_CHUNK_ELEMENTS // vocab_size)
 
 
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
@@ -192,10 +194,13 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
     return total, metrics
 
 
-def checkpointed_row_chunks(fn, rows: tuple[torch.Tensor, ...], *args, chunk_size: int) -> list:
-    """`fn(*row_chunks, *args)` over `chunk_size` rows at a time of every tensor in `rows`, recomputed in the backward
-    pass (activation checkpointing) when the rows need gradients, so only one chunk's (chunk, V) logits are ever
-    alive (the MTP and DFlash losses read out with the target's full head). Returns fn's outputs, one per chunk."""
+def checkpointed_row_chunks(fn, rows: tuple[torch.Tensor, ...], *args, chunk_size: int | None, vocab_size: int
+                            ) -> list:
+    """`fn(*row_chunks, *args)` over `chunk_size` rows at a time (None: `loss_chunk_rows` for a head of `vocab_size`)
+    of every tensor in `rows`, recomputed in the backward pass (activation checkpointing) when the rows need
+    gradients, so only one chunk's (chunk, V) logits are ever alive (the MTP and DFlash losses read out with the
+    target's full head). Returns fn's outputs, one per chunk."""
+    chunk_size = loss_chunk_rows(vocab_size, chunk_size)
     chunks = []
     for i in range(0, rows[0].shape[0], chunk_size):
         part = [r[i:i + chunk_size] for r in rows]

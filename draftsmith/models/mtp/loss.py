@@ -36,15 +36,17 @@ def _soft_ce_rows(draft_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_h
     return -(p * log_q).sum(-1), agree
 
 
-def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: int = 2048):
+def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: int | None = None):
     """Soft CE (B, S) float32 and agreement (B, S) bool at the `valid` positions (zero / False elsewhere).
 
-    Only valid positions are projected to the vocabulary, `chunk_size` rows at a time under activation
-    checkpointing, so memory is O(chunk_size x V) whatever the batch.
+    Only valid positions are projected to the vocabulary, `chunk_size` rows at a time (None: chosen by the head's
+    size, eagle3.loss.loss_chunk_rows) under activation checkpointing, so memory is O(chunk_size x V) whatever the
+    batch.
     """
     rows = valid.nonzero(as_tuple=True)
     draft_rows, teacher_rows = draft_hidden[rows], teacher_hidden[rows]  # (N, H)
-    chunks = checkpointed_row_chunks(_soft_ce_rows, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size)
+    chunks = checkpointed_row_chunks(_soft_ce_rows, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size,
+                                     vocab_size=lm_head.weight.shape[0])
     per_pos = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     correct = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
     if chunks:
@@ -56,7 +58,7 @@ def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: 
     return per_pos, correct
 
 
-def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, chunk_size: int = 2048):
+def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, chunk_size: int | None = None):
     """Weighted soft cross-entropy over depths: sum_d decay**(d-1) * L_d.
 
     depth_hidden: list of (B, S, H) final-normed drafter states (depth 1 first); last_hidden (B, S, H): the

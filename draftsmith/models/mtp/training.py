@@ -20,6 +20,7 @@ class MtpMethod:
         mtp = recipe.mtp
         self.num_depths = mtp.num_depths
         self.decay = mtp.depth_decay
+        self.loss_chunk_size = recipe.training.loss_chunk_size  # None: chosen by the head's size
         # MTP reads the target's last hidden state after its final norm (model.py), no aux layer; id L (that state
         # before the norm) is what the runtime captures and normalises itself (proposer.py).
         self.aux_layer_ids = [target.num_layers]
@@ -65,4 +66,5 @@ class MtpMethod:
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
         # h^0 = captured.last_hidden, after the final norm: what the engines hand MTP (and the teacher's input)
         depth_hidden = drafter(token_embeds, captured.last_hidden, self.num_depths)
-        return mtp_loss(depth_hidden, captured.last_hidden, batch["loss_mask"], self.target.lm_head, self.decay)
+        return mtp_loss(depth_hidden, captured.last_hidden, batch["loss_mask"], self.target.lm_head, self.decay,
+                        self.loss_chunk_size)
