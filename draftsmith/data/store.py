@@ -229,9 +229,10 @@ class ShardWriter:
     Nothing here waits for the target. A batch's states are packed, checked and cast (or quantized) on the device
     and copied to the host behind the device's queue (pinned memory on CUDA and ROCm); the batch lands in the open
     shard at the next `add_batch`, while the target computes the next batch. A full shard is written in the
-    background: one thread serialises it, another then checksums and records it (at most one shard being
-    serialised, so memory stays bounded). `flush()` lands the last batch, writes what is open and waits until
-    everything is on disk and on record."""
+    background: one thread writes it straight from memory (`write_shard`), another checksums the same memory and
+    records the shard once it is on disk (at most one shard being written and one waiting for its record, so
+    memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
+    disk and on record."""
 
     def __init__(self, folder: Path, rank: int, plan: dict, dtype: str, max_shard_bytes: int, what: str):
         self.folder, self.rank, self.dtype, self.max_shard_bytes = folder, rank, dtype, max_shard_bytes
@@ -316,10 +317,9 @@ class ShardWriter:
         if not self._pending_ids:
             return
         if self._saving is not None:
-            self._saving.result()  # one shard being serialised at most
-        for future in [f for f in self._recording if f.done()]:
-            future.result()  # a failed record raises here
-        self._recording = [f for f in self._recording if not f.done()]
+            self._saving.result()  # one shard being written at most
+        while len(self._recording) > 1 or (self._recording and self._recording[0].done()):
+            self._recording.pop(0).result()  # a failed record raises here; one shard waits for its checksum at most
         name = f"shard-r{self.rank}-{self._next_shard:05d}.safetensors"
         self._next_shard += 1
         tensors, ids = self._pending, self._pending_ids
