@@ -156,10 +156,10 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
     """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
 
     Positions are flattened to B*S rows and read `chunk_size` at a time (None: `loss_chunk_rows`); each chunk's
-    logits, float32 softmaxes and loss are recomputed in the backward pass (activation checkpointing). Step i's teacher for flattened row r is
-    teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it would cross into the next
-    sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so every chunk's teacher is a
-    contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
+    logits, float32 softmaxes and loss are recomputed in the backward pass (activation checkpointing). Step i's
+    teacher for flattened row r is teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it
+    would cross into the next sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so
+    every chunk's teacher is a contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
     """
     b, s, _ = step_hidden[0].shape
     rows = b * s
