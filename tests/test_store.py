@@ -81,6 +81,8 @@ def test_training_from_the_store_follows_the_online_loss_curve(collected, tmp_pa
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
+    import torch
+    torch.set_num_threads(int(sys.argv[2]))  # the test's own: float32 sums differ with the thread count
     import draftsmith.data.store as store
     real, calls = store.write_shard, []
     def save_then_die(*args, **kwargs):
@@ -100,7 +102,8 @@ def test_a_killed_collection_resumes_to_the_same_store(collected, tmp_path, fixt
     dump = recipe.model_dump()
     dump["data"]["hidden_states_path"] = str(killed)
     save_recipe(recipe_from_dict(dump), tmp_path / "recipe.yaml")
-    run = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path / "recipe.yaml")], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path / "recipe.yaml"), str(torch.get_num_threads())],
+                         capture_output=True, text=True)
     assert run.returncode == -9, run.stderr[-2000:]
     assert not (killed / INDEX).exists()
     progress = json.loads((killed / "progress-r0.json").read_text())
