@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import shlex
 import sys
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from draftsmith import device as dev  # noqa: E402
 from draftsmith.config import recipe_from_dict  # noqa: E402
+from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
 from draftsmith.inference.eval import run_info  # noqa: E402
 from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss  # noqa: E402
 from draftsmith.models.target import TargetModel  # noqa: E402
@@ -211,9 +211,7 @@ def main(argv=None) -> int:
 
     def save():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(out)
+        write_json_atomic(report, out)
 
     for text in args.runs.split():
         report["runs"].append(one_run(target, text, args, device, measured_peak))

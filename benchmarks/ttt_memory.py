@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
 
 PATHS = {"reference": "S x S scores and whole-step logits kept for the backward pass (the earlier training path)",
          "blocked_fused": "blocked TTT attention (recomputed per query block) + fused chunked loss (training now)"}
@@ -108,9 +109,7 @@ def main() -> int:
     print(json.dumps({k: result[k] for k in ("peak_rss_ratio_fused_over_reference", "same_loss")}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.out)
+        write_json_atomic(result, args.out)
     return 0
 
 

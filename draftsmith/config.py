@@ -177,6 +177,10 @@ class TrainingConfig(BaseModel):
     # .loss_chunk_rows: 2^27 logits a chunk), since blocking costs small models time for memory they do not need.
     ttt_query_block: int | None = Field(None, ge=16)
     loss_chunk_size: int | None = Field(None, ge=16)
+    # How each loss chunk's gradient is taken (kernels/chunked_loss.py): in the forward pass while its logits exist
+    # (one head product and softmax less per chunk), or `recompute`d in the backward pass (the plain reference;
+    # DeepSpeed ZeRO-3 heads always take it)
+    loss_grad: Literal["in_forward", "recompute"] = "in_forward"
     # EAGLE-3 long contexts: recompute each TTT step's decoder layer in the backward pass (keeps only its inputs;
     # about a third more drafter compute for most of its activation memory); and fuse each step's elementwise work
     # with torch.compile (the first steps compile)

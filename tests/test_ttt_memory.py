@@ -95,10 +95,13 @@ def ttt_batch(b=3, s=29, seed=1):
     return aux, embeds, last_hidden, head, loss_mask
 
 
-@pytest.mark.parametrize("kind, mask_outside, chunk", [("soft_ce", True, 7), ("soft_ce", False, 1000),
-                                                       ("lk", True, 13), ("soft_ce", True, 1)])
-def test_fused_loss_equals_the_loss_of_whole_step_logits(kind, mask_outside, chunk):
-    drafter = tiny_drafter(norm_before_fc=True, norm_output=True)
+@pytest.mark.parametrize("loss_grad", ["in_forward", "recompute"])
+@pytest.mark.parametrize("kind, mask_outside, chunk, norm_output", [
+    ("soft_ce", True, 7, True), ("soft_ce", False, 1000, True), ("lk", True, 13, True), ("soft_ce", True, 1, True),
+    ("lk", True, 20, False)])  # norm_output False: the head's final norm trains inside the loss
+def test_fused_loss_equals_the_loss_of_whole_step_logits(kind, mask_outside, chunk, norm_output, loss_grad):
+    """Every parameter's gradient, the loss and its metrics, whichever way each chunk's gradient is taken."""
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=norm_output)
     aux, embeds, last_hidden, head, loss_mask = ttt_batch()
     teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
     options = dict(decay=0.7, kind=kind, lk_eta=2.0, mask_outside_draft_vocab=mask_outside)
@@ -114,7 +117,8 @@ def test_fused_loss_equals_the_loss_of_whole_step_logits(kind, mask_outside, chu
     want_grads = torch.autograd.grad(want_loss, list(drafter.parameters()))
 
     got_loss, got_metrics = drafter(aux, embeds, 4, loss_targets=dict(
-        teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=chunk, **options))
+        teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=chunk,
+        loss_grad=loss_grad, **options))
     got_grads = torch.autograd.grad(got_loss, list(drafter.parameters()))
 
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -135,7 +139,9 @@ def test_training_forward_keeps_no_whole_step_logits_and_no_s_by_s_scores():
     (loss, _), shapes = saved_shapes(lambda: drafter(aux, embeds, 3, loss_targets=targets))
     loss.backward()
     assert not any(len(shape) >= 2 and (shape[-2:] == (40, 40) or shape[-1] == 40 + 2) for shape in shapes)  # no (S, S [+ steps]) probs
-    assert not any(shape and shape[-1] == 24 and torch.Size(shape).numel() > 16 * 24 for shape in shapes)  # logits: a chunk
+    head_t = tuple(drafter.lm_head.weight.t().shape)  # the head's weight, which the chunk's product keeps
+    assert not any(shape and shape[-1] == 24 and torch.Size(shape).numel() > 16 * 24 and shape != head_t
+                   for shape in shapes)  # logits: a chunk
     assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
 
 
@@ -177,6 +183,7 @@ def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
     """training.ttt_query_block and loss_chunk_size left at None: one attention block while a step's B*h*S*S scores
     fit DENSE_SCORES_LIMIT, blocks of 1024 beyond it; loss chunks of LOSS_CHUNK_ELEMENTS logits. Whichever is
     chosen, the loss and gradients are those of whole-step logits."""
+    import draftsmith.kernels.chunked_loss as chunked_loss
     import draftsmith.kernels.ttt_attention as attention
     import draftsmith.models.eagle3.loss as eagle3_loss
     from draftsmith.config import TrainingConfig
@@ -191,7 +198,8 @@ def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
     drafter = tiny_drafter()
     aux, embeds, last_hidden, head, loss_mask = ttt_batch(s=40)
     teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
-    targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask)
+    targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask,
+                   loss_grad="recompute")  # chunks counted by their checkpoints
     want_loss, _ = ttt_loss(drafter.forward_ttt(aux, embeds, 3), teacher, in_draft, loss_mask)
     want = torch.autograd.grad(want_loss, list(drafter.parameters()))
 
@@ -215,16 +223,17 @@ def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
     assert run() == (0, 3)  # small: one attention block (nothing recomputed), one loss chunk per TTT step
     monkeypatch.setattr(attention, "DENSE_SCORES_LIMIT", 3 * 4 * 40 * 40 - 1)
     monkeypatch.setattr(attention, "DEFAULT_QUERY_BLOCK", 16)
-    monkeypatch.setattr(eagle3_loss, "LOSS_CHUNK_ELEMENTS", 24 * 50)  # 1,024 rows: the floor of a chunk
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK_ELEMENTS", 24 * 50)  # 1,024 rows: the floor of a chunk
     assert run() == (3 * 3, 3)  # past the limit: 3 blocks of 16 queries per step, recomputed
     monkeypatch.setattr(eagle3_loss, "loss_chunk_rows", lambda vocab, size: 50)
     assert run() == (3 * 3, 3 * 3)  # 3 x 40 rows in chunks of 50: 3 per step
 
 
 def test_mtp_and_dflash_losses_take_chunks_chosen_by_the_heads_size(monkeypatch):
-    """MTP's soft CE and DFlash's CE read the target's whole head in checkpointed row chunks: left at None, as many
-    rows as LOSS_CHUNK_ELEMENTS allows (here all in one), the same values and gradients as small explicit chunks."""
-    import draftsmith.models.eagle3.loss as eagle3_loss
+    """MTP's soft CE and DFlash's CE read the target's whole head in row chunks: left at None, as many rows as
+    LOSS_CHUNK_ELEMENTS allows (here all in one), the same values and gradients as small explicit chunks, whether
+    each chunk's gradient is taken in the forward pass (the frozen head) or recomputed (a head that trains)."""
+    import draftsmith.kernels.chunked_loss as chunked_loss
     from draftsmith.models.dflash.loss import head_cross_entropy
     from draftsmith.models.mtp.loss import soft_ce_positions
 
@@ -236,8 +245,8 @@ def test_mtp_and_dflash_losses_take_chunks_chosen_by_the_heads_size(monkeypatch)
     valid = torch.rand(3, 11, generator=g) > 0.3
     labels = torch.randint(0, 40, (int(valid.sum()),), generator=g)
     calls = []
-    real = eagle3_loss.checkpoint
-    monkeypatch.setattr(eagle3_loss, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+    real = chunked_loss.checkpoint
+    monkeypatch.setattr(chunked_loss, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
 
     def run(loss_fn, chunk):
         calls.clear()
@@ -251,16 +260,55 @@ def test_mtp_and_dflash_losses_take_chunks_chosen_by_the_heads_size(monkeypatch)
         return head_cross_entropy(hidden[valid], labels, head.weight, chunk)[0].sum()
 
     rows = int(valid.sum())
-    for loss_fn in (mtp, dflash):
-        chosen, explicit = run(loss_fn, None), run(loss_fn, 4)
-        assert (chosen[2], explicit[2]) == (1, -(-rows // 4))
-        torch.testing.assert_close(chosen[0], explicit[0])
-        torch.testing.assert_close(chosen[1], explicit[1])
-    assert eagle3_loss.loss_chunk_rows(128_256, None) == 1_046  # a Llama-3 head: about a GB of logits a chunk
+    for frozen in (False, True):
+        head.weight.requires_grad_(not frozen)
+        for loss_fn in (mtp, dflash):
+            chosen, explicit = run(loss_fn, None), run(loss_fn, 4)
+            # a head that trains is recomputed chunk by chunk; the frozen one takes its gradient in the forward
+            assert (chosen[2], explicit[2]) == ((0, 0) if frozen else (1, -(-rows // 4)))
+            torch.testing.assert_close(chosen[0], explicit[0])
+            torch.testing.assert_close(chosen[1], explicit[1])
+    assert chunked_loss.loss_chunk_rows(128_256, None) == 1_046  # a Llama-3 head: about a GB of logits a chunk
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_frozen_head_losses_take_the_same_gradient_in_the_forward_pass(soft):
+    """DFlash's (hard or soft) CE and MTP's soft CE over the target's frozen head: `loss_grad: in_forward` gives
+    the values and the gradient of the plain, recomputed path under any weighting of the rows after it (the
+    decayed slot weights of DFlash), in chunks that do not divide the rows."""
+    from draftsmith.models.dflash.loss import head_cross_entropy
+    from draftsmith.models.mtp.loss import soft_ce_positions
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(50, 16, generator=g)  # frozen: requires no gradient
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    head.weight.copy_(weight)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    teacher = torch.randn(37, 16, generator=g)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    row_weight = torch.rand(37, generator=g)
+
+    def dflash(loss_grad):
+        ce, pred = head_cross_entropy(hidden, labels, weight, 8, teacher if soft else None, loss_grad=loss_grad)
+        return (ce * row_weight).sum(), pred
+
+    def mtp(loss_grad):
+        valid = torch.ones(1, 37, dtype=torch.bool)
+        per_pos, agree = soft_ce_positions(hidden[None], teacher[None], valid, head, 8, loss_grad)
+        return (per_pos[0] * row_weight).sum(), agree
+
+    for fn in (dflash, mtp):
+        (want, want_pred), (got, got_pred) = fn("recompute"), fn("in_forward")
+        torch.testing.assert_close(got, want)
+        assert torch.equal(got_pred, want_pred)
+        want_grad, = torch.autograd.grad(want, hidden)
+        got_grad, = torch.autograd.grad(got, hidden)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_loss_chunk_key_reaches_every_method(fixture_target_dir, monkeypatch):
-    """training.loss_chunk_size, set or left at null, is the chunk each method's loss reads its head with."""
+    """training.loss_chunk_size, set or left at null, is the chunk each method's loss reads its head with, and
+    training.loss_grad how it takes the chunk's gradient."""
     import draftsmith.models.dflash.training as dflash_training
     import draftsmith.models.mtp.training as mtp_training
     from draftsmith.config import recipe_from_dict
@@ -268,19 +316,42 @@ def test_the_loss_chunk_key_reaches_every_method(fixture_target_dir, monkeypatch
     from draftsmith.models.target import TargetModel
 
     target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
-    for chunk in (None, 64):
+    for chunk, loss_grad in ((None, "in_forward"), (64, "recompute")):
         def recipe(method):
             return recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": method},
                                      "data": {"path": "x.jsonl"}, "output_dir": "unused",
-                                     "training": {"loss_chunk_size": chunk}, "dflash": {"num_layers": 1}})
+                                     "training": {"loss_chunk_size": chunk, "loss_grad": loss_grad},
+                                     "dflash": {"num_layers": 1}})
 
-        assert Eagle3Method(recipe("eagle3"), target).loss_options["chunk_size"] == chunk
+        options = Eagle3Method(recipe("eagle3"), target).loss_options
+        assert (options["chunk_size"], options["loss_grad"]) == (chunk, loss_grad)
         seen = {}
-        monkeypatch.setattr(mtp_training, "mtp_loss", lambda *a: seen.setdefault("mtp", a[-1]))
-        monkeypatch.setattr(dflash_training, "dflash_loss", lambda *a: seen.setdefault("dflash", a[-1]))
+        monkeypatch.setattr(mtp_training, "mtp_loss", lambda *a, **k: seen.setdefault("mtp", (a[-1], k)))
+        monkeypatch.setattr(dflash_training, "dflash_loss", lambda *a, **k: seen.setdefault("dflash", (a[-1], k)))
         batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]), "attention_mask": torch.ones(1, 6, dtype=torch.long),
                  "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
         for method_cls, name in ((mtp_training.MtpMethod, "mtp"), (dflash_training.DflashMethod, "dflash")):
             method = method_cls(recipe(name), target)
             method.loss(method.build_drafter(None, None), batch)
-        assert seen == {"mtp": chunk, "dflash": chunk}
+        assert seen == {"mtp": (chunk, {"loss_grad": loss_grad}), "dflash": (chunk, {"loss_grad": loss_grad})}
+
+
+def test_the_gradient_taken_in_the_forward_pass_under_bf16_autocast():
+    """Mixed precision (what GPUs train with): the chunk's head product runs in bf16 inside the forward pass as it
+    does in the recomputed backward, so both ways agree within bf16 tolerance, and every parameter's gradient
+    keeps its float32 dtype."""
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=False)
+    aux, embeds, last_hidden, head, loss_mask = ttt_batch()
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    results = {}
+    for loss_grad in ("recompute", "in_forward"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = drafter(aux, embeds, 3, loss_targets=dict(
+                teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=11,
+                loss_grad=loss_grad))
+        results[loss_grad] = loss, torch.autograd.grad(loss, list(drafter.parameters()))
+    (want, want_grads), (got, got_grads) = results["recompute"], results["in_forward"]
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for a, b in zip(got_grads, want_grads):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.eagle3.loss import checkpointed_row_chunks, simulated_acceptance_length
+from draftsmith.kernels.chunked_loss import LossGrad, row_losses
+from draftsmith.models.eagle3.loss import simulated_acceptance_length
 
 
 @torch.no_grad()
@@ -102,26 +103,28 @@ def _chunk_soft_cross_entropy(hidden, labels, teacher_hidden, weight):
     return -(teacher * logits.log_softmax(-1)).sum(-1), pred
 
 
-def head_cross_entropy(hidden, labels, head_weight, chunk_size: int | None = None, teacher_hidden=None):
+def head_cross_entropy(hidden, labels, head_weight, chunk_size: int | None = None, teacher_hidden=None,
+                       loss_grad: LossGrad = "in_forward"):
     """Per-row CE (M,) and argmax (M,) of `hidden` (M, H) read out by the frozen head (V, H); the argmax of a
     non-finite row is -1, so it never counts as correct. With `teacher_hidden` (M, H), the target's final-normed
     states the labels came from, the CE is against the target's whole distribution instead of its argmax.
 
-    Each chunk (`chunk_size` rows; None: chosen by the head's size, eagle3.loss.loss_chunk_rows) is recomputed in
-    backward (activation checkpointing), so only (chunk, V) logits are ever alive.
+    `chunk_size` rows at a time (None: chosen by the head's size, kernels/chunked_loss.loss_chunk_rows), each
+    chunk's gradient taken as `loss_grad` says, so only (chunk, V) logits are ever alive.
     """
     if teacher_hidden is None:
         fn, rows = _chunk_cross_entropy, (hidden, labels)
     else:
         fn, rows = _chunk_soft_cross_entropy, (hidden, labels, teacher_hidden)
-    chunks = checkpointed_row_chunks(fn, rows, head_weight, chunk_size=chunk_size, vocab_size=head_weight.shape[0])
-    if not chunks:
+    joined = row_losses(fn, rows, head_weight, chunk_size=chunk_size, vocab_size=head_weight.shape[0],
+                        loss_grad=loss_grad)
+    if joined is None:
         return hidden.new_zeros(0), labels.new_zeros(0)
-    ces, preds = zip(*chunks)
-    return torch.cat(ces), torch.cat(preds)
+    return joined
 
 
-def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float, teacher_hidden=None, chunk_size=None):
+def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float, teacher_hidden=None, chunk_size=None,
+                loss_grad: LossGrad = "in_forward"):
     """Position-decayed cross-entropy over the mask slots of every block.
 
     block_hidden (B, N, B_k, H) final-normed drafter states; head_weight (V, H) the target's lm_head; labels and
@@ -133,7 +136,7 @@ def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float, teacher_
     """
     slots = block_hidden[:, :, 1:]  # (B, N, B_k-1, H): slot 0 is the anchor, it predicts nothing
     ce_valid, pred_valid = head_cross_entropy(slots[valid], labels[valid], head_weight, chunk_size,
-                                              teacher_hidden=teacher_hidden)  # (M,)
+                                              teacher_hidden=teacher_hidden, loss_grad=loss_grad)  # (M,)
     ce = torch.zeros(valid.shape, dtype=ce_valid.dtype, device=valid.device).masked_scatter(valid, ce_valid)
     correct = torch.zeros_like(valid).masked_scatter(valid, pred_valid == labels[valid])  # (B, N, B_k-1)
 

@@ -57,6 +57,7 @@ class DflashMethod:
         self.num_anchors = section.anchors_per_sequence
         self.checkpoint_layers = section.checkpoint_layers
         self.loss_chunk_size = recipe.training.loss_chunk_size  # None: chosen by the head's size
+        self.loss_grad = recipe.training.loss_grad
         self.soft_targets = section.loss == "soft_ce"
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
 
@@ -87,4 +88,5 @@ class DflashMethod:
         labels, valid = block_labels(teacher, loss_mask, anchors, block_valid, self.config.block_size)
         soft = (teacher_rows(captured.last_hidden, anchors, valid, self.config.block_size)
                 if self.soft_targets else None)
-        return dflash_loss(hidden, self.target.lm_head.weight, labels, valid, self.gamma, soft, self.loss_chunk_size)
+        return dflash_loss(hidden, self.target.lm_head.weight, labels, valid, self.gamma, soft, self.loss_chunk_size,
+                           loss_grad=self.loss_grad)

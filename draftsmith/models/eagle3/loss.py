@@ -16,6 +16,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from draftsmith.kernels.chunked_loss import (LossGrad, chunk_views, loss_chunk_rows, loss_grad_in_forward,
+                                             sharded_by_deepspeed)
+
 
 @torch.no_grad()
 def teacher_targets(last_hidden: torch.Tensor, lm_head: nn.Module, t2d: torch.Tensor, chunk_size: int = 1024,
@@ -137,78 +140,102 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
     return torch.where(valid, per_pos, 0.0).sum(), correct
 
 
-# Logit elements of one loss chunk (512 MiB in float32), for every method's loss (training.loss_chunk_size null):
-# EAGLE-3's fixture steps of 8,192 rows over its 12,000-token draft vocabulary in one chunk, an 8B shape's
-# 32,000-token draft head 4,194 rows at a time, a 128k-token full head (MTP, DFlash) 1,046. Each chunk costs a pass
-# of small kernels (forward, recompute, backward): 1,024-row chunks made the fixture's EAGLE-3 step 1.4x slower.
-LOSS_CHUNK_ELEMENTS = 1 << 27
-
-
-def loss_chunk_rows(vocab_size: int, chunk_size: int | None) -> int:
-    """Rows per loss chunk over a head of `vocab_size` outputs: `chunk_size` if given, else as many as
-    LOSS_CHUNK_ELEMENTS allows (at least 1,024)."""
-    return chunk_size if chunk_size is not None else max(1024, LOSS_CHUNK_ELEMENTS // vocab_size)
-
-
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
                    kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
-                   chunk_size: int | None = None, doc_ids=None, count_mean=None):
+                   chunk_size: int | None = None, doc_ids=None, count_mean=None, head_params=None,
+                   loss_grad: LossGrad = "in_forward"):
     """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
 
-    Positions are flattened to B*S rows and read `chunk_size` at a time (None: `loss_chunk_rows`); each chunk's
-    logits, float32 softmaxes and loss are recomputed in the backward pass (activation checkpointing). Step i's
-    teacher for flattened row r is teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it
-    would cross into the next sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so
-    every chunk's teacher is a contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
+    Positions are flattened to B*S rows and read `chunk_size` at a time (None: `loss_chunk_rows`). With
+    `loss_grad` in_forward and `head_params`, every trainable tensor logits_fn reads (the head and its norm), each
+    chunk's gradient is taken in the forward pass, weighted already by its step's decay and denominator (both known
+    before the loss); with `recompute` (or no `head_params`, or a ZeRO-3 head) each chunk is recomputed in the
+    backward pass (kernels/chunked_loss.py says why the first is cheaper). Step i's teacher for flattened row r is
+    teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it would cross into the next
+    sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so every chunk's teacher is a
+    contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
     """
     b, s, _ = step_hidden[0].shape
     rows = b * s
     teacher = teacher_draft_logits.reshape(rows, -1)  # (B*S, V_d), a view
     chunk_size = loss_chunk_rows(teacher.shape[-1], chunk_size)
-    total = 0.0
-    metrics: dict[str, torch.Tensor] = {}
-    correct_steps, valid_steps = [], []
-    for i, hidden in enumerate(step_hidden):
-        valid = step_valid(loss_mask, teacher_in_draft, i, mask_outside_draft_vocab, doc_ids)  # (B, S)
-        flat_hidden, flat_valid = hidden.reshape(rows, -1), valid.reshape(rows)
-        loss_sum = hidden.new_zeros((), dtype=torch.float32)
-        correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+    flat_hidden = [hidden.reshape(rows, -1) for hidden in step_hidden]
+    valid = [step_valid(loss_mask, teacher_in_draft, i, mask_outside_draft_vocab, doc_ids)
+             for i in range(len(step_hidden))]  # (B, S) each
+    counts = [v.sum() for v in valid]
+    denominators = [_denominator(count, count_mean) for count in counts]
+    flat_valid = [v.reshape(rows) for v in valid]
+    grad_needed = torch.is_grad_enabled() and any(h.requires_grad for h in flat_hidden)
+
+    def step_chunks(i):
+        """(start, end, chunk args) of step i: row r needs teacher row r + 1 + i < B*S."""
         for start in range(0, max(rows - 1 - i, 0), chunk_size):
-            end = min(start + chunk_size, rows - 1 - i)  # row r needs teacher row r + 1 + i < B*S
-            args = (flat_hidden[start:end], teacher[start + 1 + i:end + 1 + i], flat_valid[start:end], logits_fn,
-                    kind, lk_eta)
-            if torch.is_grad_enabled() and flat_hidden.requires_grad:
-                part_loss, part_correct = checkpoint(_chunk_loss, *args, use_reentrant=False)
-            else:
-                part_loss, part_correct = _chunk_loss(*args)
-            loss_sum = loss_sum + part_loss
-            correct[start:end] = part_correct
-        count = valid.sum()
-        step_loss = loss_sum / _denominator(count, count_mean)
-        total = total + (decay ** i) * step_loss
-        correct = correct.view(b, s)
+            end = min(start + chunk_size, rows - 1 - i)
+            yield start, end, (teacher[start + 1 + i:end + 1 + i], flat_valid[i][start:end], logits_fn, kind,
+                               lk_eta)
+
+    if grad_needed and loss_grad == "in_forward" and head_params and not sharded_by_deepspeed(head_params):
+        params = [p for p in head_params if p.requires_grad]
+
+        def body(needs):
+            need_params, need_hidden = needs[:len(params)], needs[len(params):]
+            param_grads = [torch.zeros_like(p, dtype=torch.float32) if need else None
+                           for p, need in zip(params, need_params)]
+            total = teacher.new_zeros((), dtype=torch.float32)
+            sums, corrects = [], []
+            hidden_grads = []
+            for i, hidden in enumerate(flat_hidden):
+                weight = (decay ** i) / denominators[i]
+                hidden_grad = torch.zeros_like(hidden) if need_hidden[i] else None
+                loss_sum = total.new_zeros(())
+                correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+                base = hidden.detach().requires_grad_(need_hidden[i])
+                for start, end, args in step_chunks(i):
+                    with torch.enable_grad():
+                        part, = chunk_views([base], start, end)
+                        part_loss, part_correct = _chunk_loss(part, *args)
+                        wanted = ([part] if need_hidden[i] else []) + [p for p, g in zip(params, param_grads)
+                                                                       if g is not None]
+                        grads = list(torch.autograd.grad(part_loss * weight, wanted, allow_unused=True)) \
+                            if wanted else []
+                    if need_hidden[i]:
+                        hidden_grad[start:end] = grads.pop(0)
+                    for acc, grad in zip([g for g in param_grads if g is not None], grads):
+                        if grad is not None:
+                            acc += grad
+                    loss_sum = loss_sum + part_loss.detach()
+                    correct[start:end] = part_correct
+                total = total + weight * loss_sum
+                sums.append(loss_sum)
+                corrects.append(correct)
+                hidden_grads.append(hidden_grad)
+            return total, param_grads + hidden_grads, (torch.stack(sums), torch.stack(corrects))
+
+        total, step_sums, step_correct = loss_grad_in_forward(body, params + flat_hidden)
+    else:
+        total, sums, corrects = 0.0, [], []
+        for i, hidden in enumerate(flat_hidden):
+            loss_sum = hidden.new_zeros((), dtype=torch.float32)
+            correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+            for start, end, args in step_chunks(i):
+                if grad_needed:
+                    part_loss, part_correct = checkpoint(_chunk_loss, hidden[start:end], *args, use_reentrant=False)
+                else:
+                    part_loss, part_correct = _chunk_loss(hidden[start:end], *args)
+                loss_sum = loss_sum + part_loss
+                correct[start:end] = part_correct
+            total = total + (decay ** i) * loss_sum / denominators[i]
+            sums.append(loss_sum)
+            corrects.append(correct)
+        step_sums, step_correct = sums, corrects
+    metrics: dict[str, torch.Tensor] = {}
+    correct_steps = []
+    for i in range(len(flat_hidden)):
+        correct = step_correct[i].view(b, s)
         correct_steps.append(correct)
-        valid_steps.append(valid)
-        _record_step(metrics, i, step_loss, correct, count)
-    metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid_steps[0])
+        _record_step(metrics, i, step_sums[i] / denominators[i], correct, counts[i])
+    metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid[0])
     return total, metrics
-
-
-def checkpointed_row_chunks(fn, rows: tuple[torch.Tensor, ...], *args, chunk_size: int | None, vocab_size: int
-                            ) -> list:
-    """`fn(*row_chunks, *args)` over `chunk_size` rows at a time (None: `loss_chunk_rows` for a head of `vocab_size`)
-    of every tensor in `rows`, recomputed in the backward pass (activation checkpointing) when the rows need
-    gradients, so only one chunk's (chunk, V) logits are ever alive (the MTP and DFlash losses read out with the
-    target's full head). Returns fn's outputs, one per chunk."""
-    chunk_size = loss_chunk_rows(vocab_size, chunk_size)
-    chunks = []
-    for i in range(0, rows[0].shape[0], chunk_size):
-        part = [r[i:i + chunk_size] for r in rows]
-        if torch.is_grad_enabled() and part[0].requires_grad:
-            chunks.append(checkpoint(fn, *part, *args, use_reentrant=False))
-        else:
-            chunks.append(fn(*part, *args))
-    return chunks
 
 
 def simulated_acceptance_length(correct_steps, valid0) -> torch.Tensor:

@@ -137,6 +137,10 @@ class Eagle3Drafter(nn.Module):
         """Draft logits (B, S, V_d) of an `output_hidden`: the final norm is applied once, here or there."""
         return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
+    def head_parameters(self) -> list[nn.Parameter]:
+        """Every parameter `logits` reads (the fused loss takes their gradients in its forward pass)."""
+        return list(self.lm_head.parameters()) + ([] if self.config.norm_output else list(self.norm.parameters()))
+
     # ---- training: training-time test (TTT) -----------------------------------------------------
     def _attention_qkv(self, embeds, hidden, cos, sin):
         """One TTT step's queries and its keys and values repeated to every query head, each (B, h, S, hd)."""
@@ -221,7 +225,8 @@ class Eagle3Drafter(nn.Module):
 
         step_hidden = self.forward_ttt(aux_hidden, token_embeds, num_steps, position_ids, return_hidden=True,
                                        query_block=self.query_block, doc_ids=doc_ids)
-        return fused_ttt_loss(self.logits, step_hidden, doc_ids=doc_ids, **loss_targets)
+        return fused_ttt_loss(self.logits, step_hidden, doc_ids=doc_ids, head_params=self.head_parameters(),
+                              **loss_targets)
 
     # ---- runtime: cached steps ---------------------------------------------------------------------
     def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:

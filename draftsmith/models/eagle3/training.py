@@ -21,7 +21,7 @@ class Eagle3Method:
         self.ttt_steps = training.ttt_steps
         self.loss_options = dict(decay=training.ttt_decay, kind=training.loss, lk_eta=training.lk_eta,
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab,
-                                 chunk_size=training.loss_chunk_size)
+                                 chunk_size=training.loss_chunk_size, loss_grad=training.loss_grad)
         self.query_block = training.ttt_query_block
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftsmith.models.eagle3.loss import checkpointed_row_chunks, simulated_acceptance_length
+from draftsmith.kernels.chunked_loss import LossGrad, row_losses
+from draftsmith.models.eagle3.loss import simulated_acceptance_length
 from draftsmith.models.mtp.model import shift_left
 
 
@@ -36,29 +37,31 @@ def _soft_ce_rows(draft_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_h
     return -(p * log_q).sum(-1), agree
 
 
-def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: int | None = None):
+def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: int | None = None,
+                      loss_grad: LossGrad = "in_forward"):
     """Soft CE (B, S) float32 and agreement (B, S) bool at the `valid` positions (zero / False elsewhere).
 
     Only valid positions are projected to the vocabulary, `chunk_size` rows at a time (None: chosen by the head's
-    size, eagle3.loss.loss_chunk_rows) under activation checkpointing, so memory is O(chunk_size x V) whatever the
-    batch.
+    size, kernels/chunked_loss.loss_chunk_rows), each chunk's gradient taken as `loss_grad` says, so memory is
+    O(chunk_size x V) whatever the batch.
     """
     rows = valid.nonzero(as_tuple=True)
     draft_rows, teacher_rows = draft_hidden[rows], teacher_hidden[rows]  # (N, H)
-    chunks = checkpointed_row_chunks(_soft_ce_rows, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size,
-                                     vocab_size=lm_head.weight.shape[0])
+    joined = row_losses(_soft_ce_rows, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size,
+                        vocab_size=lm_head.weight.shape[0], loss_grad=loss_grad)
     per_pos = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     correct = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
-    if chunks:
-        losses, agrees = zip(*chunks)
-        per_pos = per_pos.index_put(rows, torch.cat(losses))
-        correct[rows] = torch.cat(agrees)
+    if joined is not None:
+        losses, agrees = joined
+        per_pos = per_pos.index_put(rows, losses)
+        correct[rows] = agrees
     elif draft_hidden.requires_grad:  # nothing to learn here, but keep the graph so backward (and DDP) still run
         per_pos = per_pos + 0.0 * draft_hidden.sum()
     return per_pos, correct
 
 
-def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, chunk_size: int | None = None):
+def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, chunk_size: int | None = None,
+             loss_grad: LossGrad = "in_forward"):
     """Weighted soft cross-entropy over depths: sum_d decay**(d-1) * L_d.
 
     depth_hidden: list of (B, S, H) final-normed drafter states (depth 1 first); last_hidden (B, S, H): the
@@ -73,7 +76,7 @@ def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, 
         depth = i + 1
         valid = shift_left(loss_mask.bool(), depth + 1)  # (B, S) t_{i+1+d} is an assistant token
         teacher = shift_left(last_hidden, depth)  # (B, S, H): z_{i+d}
-        per_pos, correct = soft_ce_positions(hidden, teacher, valid, lm_head, chunk_size)
+        per_pos, correct = soft_ce_positions(hidden, teacher, valid, lm_head, chunk_size, loss_grad)
         count = valid.sum()
         depth_loss = per_pos.sum() / count.clamp(min=1)
         total = total + (decay ** i) * depth_loss
