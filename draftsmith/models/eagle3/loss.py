@@ -140,6 +140,40 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
     return torch.where(valid, per_pos, 0.0).sum(), correct
 
 
+def _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks):
+    """The body `fused_ttt_loss` runs in the forward pass (kernels/chunked_loss.loss_grad_in_forward): the weighted
+    loss sum_i weights[i] * loss_sum_i, its gradients with respect to `params` then each step's hidden (where
+    `needs` asks for them), and each step's loss sum and correctness (B*S,) as extras."""
+    need_params, need_hidden = needs[:len(params)], needs[len(params):]
+    param_grads = [torch.zeros_like(p, dtype=torch.float32) if need else None for p, need in zip(params, need_params)]
+    trained = [p for p, g in zip(params, param_grads) if g is not None]
+    total = flat_hidden[0].new_zeros((), dtype=torch.float32)
+    sums, corrects, hidden_grads = [], [], []
+    for i, hidden in enumerate(flat_hidden):
+        hidden_grad = torch.zeros_like(hidden) if need_hidden[i] else None
+        loss_sum = total.new_zeros(())
+        correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        base = hidden.detach().requires_grad_(need_hidden[i])
+        for start, end, args in step_chunks(i):
+            with torch.enable_grad():
+                part, = chunk_views([base], start, end)
+                part_loss, part_correct = _chunk_loss(part, *args)
+                wanted = ([part] if need_hidden[i] else []) + trained
+                grads = list(torch.autograd.grad(part_loss * weights[i], wanted, allow_unused=True)) if wanted else []
+            if need_hidden[i]:
+                hidden_grad[start:end] = grads.pop(0)
+            for acc, grad in zip([g for g in param_grads if g is not None], grads):
+                if grad is not None:
+                    acc += grad
+            loss_sum = loss_sum + part_loss.detach()
+            correct[start:end] = part_correct
+        total = total + weights[i] * loss_sum
+        sums.append(loss_sum)
+        corrects.append(correct)
+        hidden_grads.append(hidden_grad)
+    return total, param_grads + hidden_grads, (torch.stack(sums), torch.stack(corrects))
+
+
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
                    kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
                    chunk_size: int | None = None, doc_ids=None, count_mean=None, head_params=None,
@@ -176,42 +210,9 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
 
     if grad_needed and loss_grad == "in_forward" and head_params and not sharded_by_deepspeed(head_params):
         params = [p for p in head_params if p.requires_grad]
-
-        def body(needs):
-            need_params, need_hidden = needs[:len(params)], needs[len(params):]
-            param_grads = [torch.zeros_like(p, dtype=torch.float32) if need else None
-                           for p, need in zip(params, need_params)]
-            total = teacher.new_zeros((), dtype=torch.float32)
-            sums, corrects = [], []
-            hidden_grads = []
-            for i, hidden in enumerate(flat_hidden):
-                weight = (decay ** i) / denominators[i]
-                hidden_grad = torch.zeros_like(hidden) if need_hidden[i] else None
-                loss_sum = total.new_zeros(())
-                correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
-                base = hidden.detach().requires_grad_(need_hidden[i])
-                for start, end, args in step_chunks(i):
-                    with torch.enable_grad():
-                        part, = chunk_views([base], start, end)
-                        part_loss, part_correct = _chunk_loss(part, *args)
-                        wanted = ([part] if need_hidden[i] else []) + [p for p, g in zip(params, param_grads)
-                                                                       if g is not None]
-                        grads = list(torch.autograd.grad(part_loss * weight, wanted, allow_unused=True)) \
-                            if wanted else []
-                    if need_hidden[i]:
-                        hidden_grad[start:end] = grads.pop(0)
-                    for acc, grad in zip([g for g in param_grads if g is not None], grads):
-                        if grad is not None:
-                            acc += grad
-                    loss_sum = loss_sum + part_loss.detach()
-                    correct[start:end] = part_correct
-                total = total + weight * loss_sum
-                sums.append(loss_sum)
-                corrects.append(correct)
-                hidden_grads.append(hidden_grad)
-            return total, param_grads + hidden_grads, (torch.stack(sums), torch.stack(corrects))
-
-        total, step_sums, step_correct = loss_grad_in_forward(body, params + flat_hidden)
+        weights = [(decay ** i) / denominators[i] for i in range(len(flat_hidden))]
+        total, step_sums, step_correct = loss_grad_in_forward(
+            lambda needs: _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks), params + flat_hidden)
     else:
         total, sums, corrects = 0.0, [], []
         for i, hidden in enumerate(flat_hidden):
