@@ -38,7 +38,10 @@ def test_target_forward_count_equals_flop_counter(head_dim):
     assert measured == pytest.approx(b * s * target_forward_flops(config, s, attention="full"), rel=1e-9)
 
 
-def test_eagle3_training_step_count_equals_flop_counter():
+@pytest.mark.parametrize("loss_path", ["whole_logits", "in_forward", "recompute"])
+def test_eagle3_training_step_count_equals_flop_counter(loss_path):
+    """The count against the whole-logit reference step; the chunked loss runs the same head products, on the
+    rows whose target lies inside the batch, and `recompute` runs each chunk's head product once more."""
     target, config = tiny_target(attn_implementation="eager")
     drafter_config = Eagle3Config.from_target(config, 40, [0, 1, 2])
     drafter = Eagle3Drafter(drafter_config)
@@ -52,8 +55,15 @@ def test_eagle3_training_step_count_equals_flop_counter():
         captured = target.capture(ids, None, [0, 1, 2])
         teacher, in_draft = teacher_targets(captured.last_hidden, target.lm_head, drafter.t2d)
         embeds = target.embed_tokens(ids)
-        logits = drafter.forward_ttt(captured.aux_hidden, embeds, steps, query_block=s)  # no recomputation
-        loss, _ = ttt_loss(logits, teacher, in_draft, torch.ones(b, s, dtype=torch.long))
+        loss_mask = torch.ones(b, s, dtype=torch.long)
+        if loss_path == "whole_logits":
+            logits = drafter.forward_ttt(captured.aux_hidden, embeds, steps, query_block=s)  # no recomputation
+            loss, _ = ttt_loss(logits, teacher, in_draft, loss_mask)
+        else:
+            drafter.query_block = s
+            loss, _ = drafter(captured.aux_hidden, embeds, steps, loss_targets=dict(
+                teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=16,
+                loss_grad=loss_path))
         loss.backward()
 
     measured = counted(step)
@@ -61,7 +71,14 @@ def test_eagle3_training_step_count_equals_flop_counter():
     # FlopCounterMode counts matrix products only: the diagonal keys' scores and values are elementwise products
     heads_dim = drafter_config.num_attention_heads * drafter_config.head_dim
     diagonal = 3 * sum(2 * 2 * heads_dim * i for i in range(steps))
-    assert measured == pytest.approx(b * s * (terms["total"] - diagonal), rel=1e-9)
+    head = 2 * config.hidden_size * 40  # one row's draft-head product
+    if loss_path == "whole_logits":
+        extra = 0
+    else:  # step i's last 1 + i flattened rows have no target in the batch: never read out
+        extra = -3 * head * sum(1 + i for i in range(steps))
+        if loss_path == "recompute":
+            extra += head * sum(b * s - 1 - i for i in range(steps))
+    assert measured == pytest.approx(b * s * (terms["total"] - diagonal) + extra, rel=1e-9)
     assert drafter.fc.weight.grad is not None
 
 
