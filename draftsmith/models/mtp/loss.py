@@ -11,7 +11,8 @@ logits at position i+d, so with target logits z_j = lm_head(last_hidden_j):
 
 The loss is soft cross-entropy to the target's full-vocabulary distribution (the head is the target's own, so
 there is no draft vocabulary), weighted decay**(d-1) over depths. Full-vocabulary logits are only ever built for
-`chunk_size` loss positions at a time and recomputed in the backward pass instead of being kept.
+`chunk_size` loss positions at a time, each chunk's gradient taken while they exist (kernels/chunked_loss.py),
+never kept.
 """
 
 from __future__ import annotations
