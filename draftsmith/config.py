@@ -173,8 +173,9 @@ class TrainingConfig(BaseModel):
     # Memory: EAGLE-3's TTT attention computes this many queries at a time and recomputes them in the backward pass
     # (no S x S scores are kept; shorter sequences take one block), and every method's loss reads the head's logits
     # this many positions at a time (no step's (B, S, V) logits are kept). Neither changes the result. None: chosen
-    # by size (kernels/ttt_attention.query_block_for: one block while a step's B*h*S*S scores fit 2^28; eagle3/loss
-    # .loss_chunk_rows: 2^27 logits a chunk), since blocking costs small models time for memory they do not need.
+    # by size (kernels/ttt_attention.query_block_for: one block while a step's B*h*S*S scores fit 2^28;
+    # kernels/chunked_loss.loss_chunk_rows: 2^27 logits a chunk), since blocking costs small models time for memory
+    # they do not need.
     ttt_query_block: int | None = Field(None, ge=16)
     loss_chunk_size: int | None = Field(None, ge=16)
     # How each loss chunk's gradient is taken (kernels/chunked_loss.py): in the forward pass while its logits exist

@@ -192,8 +192,9 @@ def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
     assert attention.query_block_for(4, 6, 2048, None) == 2048  # the fixture's 8,192-token steps: one block
     assert attention.query_block_for(4, 32, 2048, None) == 1024  # an 8B shape's (32 heads): blocked
     assert attention.query_block_for(4, 6, 2048, 512) == 512  # a value set in the recipe stands
-    assert eagle3_loss.loss_chunk_rows(12_000, None) == 11_184 and eagle3_loss.loss_chunk_rows(32_000, None) == 4_194
-    assert eagle3_loss.loss_chunk_rows(12_000, 100) == 100
+    assert chunked_loss.loss_chunk_rows(12_000, None) == 11_184
+    assert chunked_loss.loss_chunk_rows(32_000, None) == 4_194
+    assert chunked_loss.loss_chunk_rows(12_000, 100) == 100
 
     drafter = tiny_drafter()
     aux, embeds, last_hidden, head, loss_mask = ttt_batch(s=40)

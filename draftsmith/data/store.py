@@ -178,19 +178,25 @@ def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: byte
 
     def write(tmp: Path) -> None:
         with tmp.open("wb") as f:
-            f.write(prefix)
-            for name in order:
-                f.write(_raw_bytes(tensors[name]))
+            for part in _shard_bytes(tensors, order, prefix):
+                f.write(part)
 
     replace_atomically(path, write)
 
 
 def shard_sha256(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes) -> str:
     """The sha256 of the file `write_shard` writes, from the tensors in memory (no re-reading of the file)."""
-    h = hashlib.sha256(prefix)
-    for name in order:
-        h.update(_raw_bytes(tensors[name]))
+    h = hashlib.sha256()
+    for part in _shard_bytes(tensors, order, prefix):
+        h.update(part)
     return h.hexdigest()
+
+
+def _shard_bytes(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes):
+    """A shard file's bytes in order, without a copy: what `write_shard` writes and `shard_sha256` hashes."""
+    yield prefix
+    for name in order:
+        yield _raw_bytes(tensors[name])
 
 
 # --------------------------------------------------------------------------- writing

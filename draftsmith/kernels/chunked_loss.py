@@ -48,13 +48,6 @@ def sharded_by_deepspeed(params: Sequence[torch.Tensor]) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
-def chunk_views(bases: Sequence[torch.Tensor], start: int, end: int) -> list[torch.Tensor]:
-    """Rows start..end of each base (a detached copy that may require a gradient), as views, called under
-    enable_grad: a chunk's gradient is taken with respect to the view, not to a leaf of its own, since module hooks
-    that inspect the graph (FlopCounterMode's module tracker) refuse a leaf inside autograd.grad."""
-    return [base[start:end] for base in bases]
-
-
 class _RowLossesGradInForward(torch.autograd.Function):
     """fn's per-row losses over chunks of rows, with each row's d loss / d row taken in the forward pass."""
 
@@ -68,7 +61,9 @@ class _RowLossesGradInForward(torch.autograd.Function):
         for start in range(0, rows[0].shape[0], chunk_size):
             end = start + chunk_size
             with torch.enable_grad():
-                part = chunk_views(bases, start, end)
+                # views of the detached rows, not leaves of their own: module hooks that inspect the graph
+                # (FlopCounterMode's module tracker) refuse a leaf inside autograd.grad
+                part = [base[start:end] for base in bases]
                 losses, *extras = fn(*part, *args)
                 wanted = [p for p, need in zip(part, needs) if need]
                 grads = iter(torch.autograd.grad(losses.sum(), wanted) if wanted else ())

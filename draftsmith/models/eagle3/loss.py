@@ -16,8 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.kernels.chunked_loss import (LossGrad, chunk_views, loss_chunk_rows, loss_grad_in_forward,
-                                             sharded_by_deepspeed)
+from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, loss_grad_in_forward, sharded_by_deepspeed
 
 
 @torch.no_grad()
@@ -146,7 +145,8 @@ def _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks):
     `needs` asks for them), and each step's loss sum and correctness (B*S,) as extras."""
     need_params, need_hidden = needs[:len(params)], needs[len(params):]
     param_grads = [torch.zeros_like(p, dtype=torch.float32) if need else None for p, need in zip(params, need_params)]
-    trained = [p for p, g in zip(params, param_grads) if g is not None]
+    trained = [p for p, need in zip(params, need_params) if need]
+    accumulators = [g for g in param_grads if g is not None]  # one per tensor in `trained`
     total = flat_hidden[0].new_zeros((), dtype=torch.float32)
     sums, corrects, hidden_grads = [], [], []
     for i, hidden in enumerate(flat_hidden):
@@ -156,13 +156,13 @@ def _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks):
         base = hidden.detach().requires_grad_(need_hidden[i])
         for start, end, args in step_chunks(i):
             with torch.enable_grad():
-                part, = chunk_views([base], start, end)
+                part = base[start:end]  # a view, not a leaf (kernels/chunked_loss.py says why)
                 part_loss, part_correct = _chunk_loss(part, *args)
                 wanted = ([part] if need_hidden[i] else []) + trained
                 grads = list(torch.autograd.grad(part_loss * weights[i], wanted, allow_unused=True)) if wanted else []
             if need_hidden[i]:
                 hidden_grad[start:end] = grads.pop(0)
-            for acc, grad in zip([g for g in param_grads if g is not None], grads):
+            for acc, grad in zip(accumulators, grads):
                 if grad is not None:
                     acc += grad
             loss_sum = loss_sum + part_loss.detach()
