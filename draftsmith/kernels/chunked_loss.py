@@ -98,7 +98,8 @@ def row_losses(fn: Callable, rows: tuple[torch.Tensor, ...], *args, chunk_size: 
     are no rows. fn returns the per-row loss (differentiable, each row's from that row alone) and per-row
     results that are not (agreement, argmax). Only one chunk's logits are ever alive; with `loss_grad`
     `in_forward` the gradient is taken as they are, `recompute` recomputes each chunk in the backward pass. A
-    tensor in `args` that needs a gradient (a head that trains) takes the `recompute` path."""
+    tensor or module in `args` that needs a gradient (a head that trains) takes the `recompute` path; a function
+    that reads trainable parameters some other way must not be given `in_forward`, they would get no gradient."""
     if rows[0].shape[0] == 0:
         return None
     chunk_size = loss_chunk_rows(vocab_size, chunk_size)
