@@ -6,7 +6,8 @@ earlier assistant turns are already the target's own. Two ways to run the target
 
     --server URL   any OpenAI-compatible server (vLLM, SGLang): `/v1/chat/completions`, `--concurrency`
                    conversations at once, each request retried with exponential backoff on connection errors,
-                   timeouts, 429 and 5xx (`--retries`)
+                   timeouts, 429 and 5xx, and on replies cut short, not JSON or without their fields (`--retries`);
+                   an answer without text (a tool call, a refusal) is an error for its record
     --target PATH  draftsmith's runtime, `--batch-size` conversations decoded together (taken from a window of
                    four batches sorted by prompt length, so a batch pads little)
 
@@ -16,13 +17,18 @@ for a chat target learns most from first answers, and they cost the least to reg
 Outputs in `--out`: `regenerated.jsonl` ({"index", "conversations"}), `errors.jsonl` ({"index", "error"}) and
 `skipped.jsonl` ({"index", "where", "reason"}: records with nothing to regenerate); every input record lands in
 exactly one of them, and the closing line says the counts add up. A rerun resumes: records already in any of the
-three files are not redone (a line cut short by a kill is dropped first).
+three files are not redone (a line cut short by a kill is dropped first). Records are matched by index, so
+`regenerate.json` records what the folder is made from (the input's sha256, how it is read, the target, --max-turns,
+--max-new-tokens, --temperature) and a rerun with anything else is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import http.client
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -30,9 +36,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from draftsmith.data.conversations import LoadReport, Message, iter_records, source_name
+from draftsmith.data.conversations import LoadReport, Message, _resolve, iter_records, source_name
 
 OUTPUTS = ("regenerated", "errors", "skipped")
+MADE_FROM = "regenerate.json"  # what the output folder's records were made from; a rerun must match it
+MADE_FROM_FLAGS = {"data": "--data", "data_sha256": "--data", "format": "--format", "split": "--split",
+                   "subset": "--subset", "target": "--model/--target", "max_turns": "--max-turns",
+                   "max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
@@ -42,6 +52,10 @@ class RegenerateError(ValueError):
 
 class RequestFailed(Exception):
     """One conversation could not be regenerated (after retries); its message goes to errors.jsonl."""
+
+
+class _BadReply(Exception):
+    """Internal: a reply that is not what the endpoint promises (not JSON, fields missing); retried."""
 
 
 def first_turns(messages: list[Message], max_turns: int | None) -> list[Message]:
@@ -74,6 +88,10 @@ class ServerBackend:
 
     def __init__(self, url: str, model: str | None, max_tokens: int, temperature: float, retries: int = 3,
                  timeout: float = 600.0, backoff: float = 1.0, concurrency: int = 8):
+        if retries < 0:
+            raise RegenerateError(f"--retries must be >= 0, got {retries}")
+        if not 0 < timeout < math.inf:
+            raise RegenerateError(f"--timeout must be a positive number of seconds, got {timeout}")
         base = url.rstrip("/")
         self.base = base if base.endswith("/v1") else base + "/v1"
         self.max_tokens, self.temperature = max_tokens, temperature
@@ -81,42 +99,77 @@ class ServerBackend:
         self.concurrency = concurrency
         self.window = 4 * concurrency  # conversations handed to run() at once: enough to keep the server busy
         self.model = model or self._first_model()
+        self.target_name = self.model  # what regenerate.json records as the target
 
-    def _request(self, path: str, body: dict | None = None) -> dict:
+    def _request(self, path: str, body: dict | None = None, read: Callable | None = None):
+        """The JSON reply of `path`, passed through `read` (which raises _BadReply when a field is missing). A failed
+        connection, a timeout, a 429 or 5xx, a reply cut short or not JSON and a bad reply are retried with backoff;
+        what still fails after --retries is a RequestFailed naming the URL."""
+        url = self.base + path
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, method="GET" if body is None else "POST",
+        request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
                                          headers={"Content-Type": "application/json"})
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                    raw = response.read()
+                try:
+                    reply = json.loads(raw)
+                except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+                    shown = raw[:100].decode(errors="replace").replace("\n", " ")
+                    raise _BadReply(f"the reply is not JSON ({e}): {shown!r}") from None
+                return read(reply) if read else reply
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:200].replace("\n", " ")
                 if e.code not in RETRY_STATUS or attempt == self.retries:
-                    raise RequestFailed(f"HTTP {e.code} from {self.base + path}: {detail}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                    raise RequestFailed(f"HTTP {e.code} from {url}: {detail}") from None
+            except http.client.IncompleteRead as e:
                 if attempt == self.retries:
-                    reason = getattr(e, "reason", e)
-                    raise RequestFailed(f"{self.base + path}: {reason}") from None
+                    raise RequestFailed(f"{url}: the reply was cut short ({len(e.partial)} bytes of "
+                                        f"{len(e.partial) + (e.expected or 0)})") from None
+            except (OSError, http.client.HTTPException, _BadReply) as e:  # OSError: URLError, timeouts, resets
+                if attempt == self.retries:
+                    raise RequestFailed(f"{url}: {getattr(e, 'reason', e)}") from None
             time.sleep(self.backoff * 2**attempt)
         raise AssertionError("unreachable")
 
     def _first_model(self) -> str:
+        def ids(reply) -> list[str]:
+            models = reply.get("data") if isinstance(reply, dict) else None
+            if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                                       for m in models):
+                raise _BadReply("no data[].id list of models in the reply")
+            return [m["id"] for m in models]
+
         try:
-            models = self._request("/models").get("data") or []
+            models = self._request("/models", read=ids)
         except RequestFailed as e:
             raise RegenerateError(f"--server: cannot list the models: {e}") from None
         if not models:
             raise RegenerateError(f"--server {self.base}: serves no model; pass --model")
-        return models[0]["id"]
+        return models[0]
 
     def answer(self, context: list[Message]) -> str:
-        reply = self._request("/chat/completions", {"model": self.model, "messages": context,
-                                                    "max_tokens": self.max_tokens, "temperature": self.temperature})
-        try:
-            return reply["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise RequestFailed(f"{self.base}/chat/completions: no choices[0].message.content in the reply") from None
+        def first_choice(reply) -> dict:
+            try:
+                choice = reply["choices"][0]
+                if isinstance(choice["message"], dict) and "content" in choice["message"]:
+                    return choice
+            except (KeyError, IndexError, TypeError):
+                pass
+            raise _BadReply("no choices[0].message.content in the reply")
+
+        choice = self._request("/chat/completions", {"model": self.model, "messages": context,
+                                                     "max_tokens": self.max_tokens, "temperature": self.temperature},
+                               first_choice)
+        message = choice["message"]
+        if not isinstance(message["content"], str) or not message["content"]:
+            # a well-formed answer, so not retried: at the same temperature the target says the same again
+            why = ("a tool call" if message.get("tool_calls") else
+                   f"a refusal: {str(message['refusal'])[:100]!r}" if message.get("refusal") else
+                   f"content {json.dumps(message['content'])[:50]}, finish_reason {choice.get('finish_reason')!r}")
+            raise RequestFailed(f"{self.base}/chat/completions: the answer holds no text ({why})")
+        return message["content"]
 
     def run(self, conversations: list[list[Message]]) -> list[list[Message] | RequestFailed]:
         def one(messages):
@@ -139,6 +192,7 @@ class RuntimeBackend:
         from draftsmith.inference.sampling import SamplingParams
         from draftsmith.models.target import TargetModel, load_target_tokenizer
 
+        self.target_name = target  # what regenerate.json records as the target
         self.tokenizer = load_target_tokenizer(target, "--target", RegenerateError)
         if not getattr(self.tokenizer, "chat_template", None):
             raise RegenerateError(f"--target {target}: its tokenizer has no chat template to render turns with")
@@ -146,7 +200,7 @@ class RuntimeBackend:
         self.generator = SpeculativeGenerator(self.target, None, 0)
         self.eos = eos_token_ids(self.target, self.tokenizer)
         self.sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else None
-        self.max_tokens, self.batch_size = max_tokens, batch_size
+        self.max_tokens, self.temperature, self.batch_size = max_tokens, temperature, batch_size
         self.window = 4 * batch_size  # sorted by prompt length, then decoded batch_size at a time
         self.context = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -207,13 +261,64 @@ def _finished(folder: Path) -> dict[str, set[int]]:
     return done
 
 
+def _sha256_files(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def made_from(data: str, backend, format: str, split: str, subset: str | None, max_turns: int | None) -> dict:
+    """What an output folder's records depend on: the input (the sha256 of its bytes where it is local files, its
+    name where it is a dataset id), how it is read, the target and how it answers."""
+    _, files = _resolve(str(data), format)
+    return {"data": str(data), "data_sha256": _sha256_files(files) if files else None, "format": format,
+            "split": split, "subset": subset, "target": backend.target_name, "max_turns": max_turns,
+            "max_new_tokens": backend.max_tokens, "temperature": backend.temperature}
+
+
+def check_made_from(out: Path, want: dict) -> None:
+    """Refuse to resume a folder whose records came from another input or settings: records are matched by index,
+    so they would be skipped as done. A folder without records may be reused for anything."""
+    if not any((out / f"{name}.jsonl").is_file() and (out / f"{name}.jsonl").stat().st_size for name in OUTPUTS):
+        return
+    path, fresh = out / MADE_FROM, f"choose a new --out or delete {out}"
+    if not path.is_file():
+        raise RegenerateError(f"{out}: holds records but no {MADE_FROM} saying what they were made from: {fresh}")
+    try:
+        there = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise RegenerateError(f"{path}: not valid JSON ({e}): {fresh}") from None
+    if not isinstance(there, dict):
+        raise RegenerateError(f"{path}: not a JSON object: {fresh}")
+
+    def shown(key: str, made: dict) -> str:
+        if key == "data_sha256":
+            return f"{made.get('data')} (sha256 {str(made.get(key))[:12]})"
+        return json.dumps(made.get(key))
+
+    keys = [k for k in want if k != "data" or want["data_sha256"] is None]  # a local input is known by its bytes
+    differ = [f"{MADE_FROM_FLAGS[k]} {shown(k, there)} there, {shown(k, want)} now" for k in keys
+              if there.get(k) != want[k]]
+    if differ:
+        raise RegenerateError(f"{out}: made from another input ({'; '.join(differ)}; see {MADE_FROM}): resume it with "
+                              f"those, or {fresh}")
+
+
 def regenerate(data: str, out: Path, backend, *, format: str = "auto", split: str = "train",
                subset: str | None = None, limit: int | None = None, max_turns: int | None = None,
                log=print) -> dict[str, int]:
     """Regenerate every record of `data` into `out` (see the module docstring); returns the counts per file."""
     from tqdm.auto import tqdm
 
+    from draftsmith.models.checkpoint import write_json_atomic
+
+    want = made_from(data, backend, format, split, subset, max_turns)
+    check_made_from(out, want)
     out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(want, out / MADE_FROM)
     done = _finished(out)
     already = set().union(*done.values())
     files = {name: (out / f"{name}.jsonl").open("a", encoding="utf-8") for name in OUTPUTS}
@@ -275,13 +380,14 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="--server: seconds per request")
     p.add_argument("--batch-size", type=int, default=8, help="--target: conversations decoded together")
     p.add_argument("--dtype", default="auto", help="--target: auto, bfloat16, float16 or float32")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="the longest answer, in tokens, per turn")
     p.add_argument("--max-turns", type=int, default=None,
                    help="regenerate the first N assistant turns of each conversation and drop the rest")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "sharegpt", "hf"])
-    p.add_argument("--split", default="train")
-    p.add_argument("--subset", default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "sharegpt", "hf"],
+                   help="how to read --data (auto: from the file name or content)")
+    p.add_argument("--split", default="train", help="the split of a Hugging Face dataset --data")
+    p.add_argument("--subset", default=None, help="the subset (configuration) of a Hugging Face dataset --data")
     p.add_argument("--limit", type=int, default=None, help="the first N records only")
 
 
@@ -289,6 +395,8 @@ def run_regenerate(args: argparse.Namespace) -> int:
     for name in ("concurrency", "batch_size", "max_new_tokens", "max_turns"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise RegenerateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.temperature < math.inf:
+        raise RegenerateError(f"--temperature must be >= 0, got {args.temperature}")
     if args.server:
         backend = ServerBackend(args.server, args.model, args.max_new_tokens, args.temperature, args.retries,
                                 args.timeout, concurrency=args.concurrency)
