@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from draftsmith import __version__
+
 
 def _train(args: argparse.Namespace) -> int:
     from draftsmith.config import load_recipe
@@ -138,6 +140,7 @@ COMMANDS = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description="Train and run speculative-decoding drafters.")
+    parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (help_text, add_args, run) in COMMANDS.items():

@@ -320,3 +320,200 @@ def test_batched_eval_serves_prompts_together_and_compares_at_the_same_concurren
     # warm-up batch, then 2 + 2 + the odd prompt alone (generate() is a batch of one), for the baseline and ngram
     assert calls == [2, 2, 2, 1] * 2
     assert result["results"][0]["lossless_mismatches"] == 0
+
+
+class CodePoints:
+    """A tokenizer without chat template whose ids are the text's code points, so a prompt reads back exactly."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_prompt_sets_in_every_common_layout(tmp_path):
+    """HumanEval's {"task_id", "prompt"} used to be refused for lacking 'conversations' (issue 25, item 11); MT-bench
+    keeps its first turn, and a conversation needs no reply to be a prompt."""
+    from draftsmith.inference.eval import load_prompts
+
+    layouts = {
+        "humaneval": [{"task_id": "HumanEval/0", "prompt": "def f(x):\n", "entry_point": "f"}],
+        "mt_bench": [{"question_id": 81, "turns": ["first turn", "second turn"]}],
+        "question": [{"question": "2 + 2?", "answer": "4"}],
+        "alpaca": [{"instruction": "Translate.", "input": "bonjour", "output": "hello"},
+                   {"instruction": "Say hi.", "input": "", "output": "hi"}],
+        "conversation": [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hey"}]},
+                         {"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "hi"}]}],
+        "prompt_messages": [{"prompt": [{"role": "user", "content": "listed"}], "completion": []}],
+    }
+    read = {name: ["".join(map(chr, ids)) for ids in load_prompts(_jsonl(tmp_path / f"{name}.jsonl", records),
+                                                                   CodePoints())]
+            for name, records in layouts.items()}
+    assert read == {"humaneval": ["def f(x):\n"], "mt_bench": ["first turn"], "question": ["2 + 2?"],
+                    "alpaca": ["Translate.\n\nbonjour", "Say hi."], "conversation": ["hey", "yo"],
+                    "prompt_messages": ["listed"]}
+
+
+def test_a_record_that_is_no_prompt_names_its_file_line_and_evals_own_skip_flag(tmp_path):
+    """A conversation without a user turn used to end in "no prompts to evaluate", naming neither file nor reason,
+    and other bad records pointed at the recipe key data.on_malformed, which eval does not have."""
+    from draftsmith.inference.eval import load_prompts
+
+    no_user = {"conversations": [{"from": "gpt", "value": "I speak first"}]}
+    path = _jsonl(tmp_path / "chat.jsonl", [{"prompt": "fine"}, "", no_user, {"text": "no prompt key"}, "{oops"])
+    with pytest.raises(EvalError) as e:
+        load_prompts(path, CodePoints())
+    assert str(e.value) == (f"{path}:3: conversation has no user turn with text "
+                            "(pass --skip-malformed to skip such records)")  # line 2 is blank: lines count from 1
+    assert "data.on_malformed" not in str(e.value)
+
+    assert ["".join(map(chr, ids)) for ids in load_prompts(path, CodePoints(), skip_malformed=True)] == ["fine"]
+    only_bad = _jsonl(tmp_path / "bad.jsonl", [no_user, {"text": "no prompt key"}])
+    with pytest.raises(EvalError, match=r"bad\.jsonl: no prompts \(skipped 1: conversation has no user turn"):
+        load_prompts(only_bad, CodePoints(), skip_malformed=True)
+    with pytest.raises(EvalError, match=r"bad\.jsonl:2: no prompt: expected a 'prompt', 'question', 'instruction' "
+                                        r"or 'turns' key.*\(keys: text\)"):
+        load_prompts(_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"text": "x"}]), CodePoints())
+
+
+def test_cli_eval_names_a_bad_prompt_record_before_loading_the_target(fixture_target_dir, tmp_path, capsys,
+                                                                     monkeypatch):
+    from draftsmith.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the prompt files were checked")
+
+    monkeypatch.setattr(TargetModel, "from_pretrained", no_loading)
+    path = _jsonl(tmp_path / "HumanEval.jsonl", [{"task_id": "HumanEval/0", "prompt": "def f():\n"}, {"id": 1}])
+    rc = main(["eval", "--target", str(fixture_target_dir), "--device", "cpu", "--dataset", f"humaneval={path}",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"{path}:2: no prompt" in err and "--skip-malformed" in err
+
+
+@pytest.mark.slow
+def test_eval_leaves_the_drafters_rows_in_its_checkpoint_and_export_puts_them_in_the_card(
+        fixture_target_dir, mt_bench_path, tmp_path, capsys):
+    """The README promises an acceptance table in the model card; the exporters read eval.json from the checkpoint,
+    but `draftsmith eval` wrote only to --out (issue 25, item 18b). Round trip: eval -> checkpoint -> export."""
+    from test_export import make_checkpoint
+    from transformers import AutoConfig
+
+    from draftsmith.cli import main
+    from draftsmith.models.eagle3.config import Eagle3Config
+
+    cfg = Eagle3Config.from_target(AutoConfig.from_pretrained(fixture_target_dir), 512,
+                                   target_name_or_path=str(fixture_target_dir))
+    ckpt = make_checkpoint(tmp_path / "run", cfg)  # run/checkpoint-100 plus run/latest
+    rc = main(["eval", "--target", str(fixture_target_dir), "--device", "cpu", "--dtype", "float32",
+               "--speculative-config", json.dumps({"method": "eagle3", "model": str(tmp_path / "run")}),
+               "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 2, "num_speculative_tokens": 2}',
+               "--num-speculative-tokens", "1", "2", "--dataset", f"mt={mt_bench_path}", "--num-prompts", "1",
+               "--max-new-tokens", "6", "--out", str(tmp_path / "eval")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"wrote {(ckpt / 'eval.json').resolve()}" in out
+    saved = json.loads((ckpt / "eval.json").read_text())
+    assert [(r["method"], r["num_speculative_tokens"]) for r in saved["results"]] == [("eagle3", 1), ("eagle3", 2)]
+    assert "recommendations" not in saved and saved["num_speculative_tokens"] in (1, 2)
+    assert len(json.loads((tmp_path / "eval" / "eval.json").read_text())["results"]) == 3  # --out keeps them all
+
+    rc = main(["export", str(tmp_path / "run"), "--format", "sglang", "--out", str(tmp_path / "export")])
+    assert rc == 0, capsys.readouterr().err
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "## Acceptance" in card and "| dataset | num_speculative_tokens |" in card
+    rows = [line for line in card.splitlines() if line.startswith("| mt |")]
+    assert [row.split(" | ")[1] for row in rows] == ["1", "2"]
+
+
+def test_eval_writes_no_eval_json_into_an_exported_drafter(tmp_path):
+    """Only draftsmith training checkpoints get one: an export (config.json with "architectures") or a Hub id's
+    cache folder is not ours to write into."""
+    from draftsmith.inference.eval import drafter_eval_results, training_checkpoint
+
+    ours = tmp_path / "ckpt"
+    exported = tmp_path / "exported"
+    for folder, config in ((ours, {"method": "eagle3"}), (exported, {"architectures": ["LlamaForCausalLMEagle3"]})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "model.safetensors").write_bytes(b"")
+    assert training_checkpoint(str(ours)) == ours
+    assert training_checkpoint(str(exported)) is None and training_checkpoint("org/drafter") is None
+
+    def result_row(model, k, speedup):
+        return {**row("eagle3", k, speedup, model=model), "dataset": "d"}
+
+    sweep = {"max_new_tokens": 8, "temperature": 0.0, "datasets": {"d": {}}, "recommendations": {"d": {}},
+             "results": [result_row(str(ours), 1, 1.2), result_row(str(exported), 1, 1.5),
+                         result_row(str(ours), 3, 1.4), {**row("ngram", 2, 2.0), "dataset": "d"}]}
+    assert drafter_eval_results(sweep) == {ours.resolve(): {
+        "max_new_tokens": 8, "temperature": 0.0, "datasets": {"d": {}}, "num_speculative_tokens": 3,
+        "results": [sweep["results"][0], sweep["results"][2]]}}
+
+
+def _closed_port() -> int:
+    """A local TCP port nothing listens on: connecting to it is refused at once, as an unreachable Hub."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_an_uncached_hub_target_fails_at_once_when_the_hub_cannot_be_reached(tmp_path):
+    """Offline, `--target ORG/NAME` spent 92 to 114 s in huggingface_hub's retries before its error (issue 25, item
+    18c); now one probe without retries, and one line. huggingface_hub logs every retry ("Retrying in 1s")."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_HOME": str(tmp_path / "home")}
+    env.pop("HF_HUB_OFFLINE", None)
+    failed = subprocess.run([sys.executable, "-m", "draftsmith.cli", "generate", "--target", "org/not-cached",
+                             "--device", "cpu", "--prompt", "Hi"], env=env, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2 and "Retrying" not in failed.stderr, failed.stderr[-2000:]
+    (line,) = failed.stderr.strip().splitlines()
+    assert line.startswith("draftsmith generate: error: --target org/not-cached: not a local folder and not cached "
+                           "locally, and the Hugging Face Hub cannot be reached (")
+    assert "HF_HUB_OFFLINE=1" in line
+
+
+def test_an_uncached_hub_drafter_is_probed_once_and_never_downloaded(tmp_path, monkeypatch):
+    """The speculative config's `model` takes the same fast path: one HEAD request, no download attempt."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from draftsmith.models.drafter_config import DrafterLoadError, hub_unreachable, local_folder
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    probes, downloads = [], []
+    real_snapshot_download = huggingface_hub.snapshot_download
+
+    def refused(url, **kwargs):
+        probes.append(url)
+        raise ConnectionError("[Errno 111] Connection refused")
+
+    def snapshot_download(repo_id, **kwargs):
+        downloads.append(kwargs.get("local_files_only", False))
+        return real_snapshot_download(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", refused)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(DrafterLoadError, match=r"^org/drafter: not a local folder and not cached locally, and "
+                                               r"the Hugging Face Hub cannot be reached \(\[Errno 111\] Connection"):
+        local_folder("org/drafter")
+    assert len(probes) == 1 and probes[0].endswith("/org/drafter/resolve/main/config.json")
+    assert downloads == [True]  # the cache was looked at; nothing tried to download
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline mode: not even the probe
+    assert "HF_HUB_OFFLINE=1 forbids downloading it" in hub_unreachable("org/drafter") and len(probes) == 1
+    assert hub_unreachable(str(tmp_path)) is None  # a local folder is never looked up

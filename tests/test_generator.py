@@ -206,6 +206,28 @@ def test_cli_generate_json_and_errors(fixture_target_dir, capsys):
     assert rc == 2 and "/nonexistent/q.jsonl" in err and len(err.strip().splitlines()) == 1
 
 
+def test_cli_version(capsys):
+    """`draftsmith --version` prints the package version and exits 0, no command needed (issue 25, item 18a)."""
+    import draftsmith
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"draftsmith {draftsmith.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_every_generate_and_eval_flag_has_help(command):
+    """--max-new-tokens had none (issue 25, item 18d)."""
+    from draftsmith.cli import build_parser
+
+    parser = build_parser([command])
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    flags = [a for a in sub.choices[command]._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) > 8
+    assert [a.option_strings[0] for a in flags if not (a.help or "").strip()] == []
+
+
 def test_cli_generate_serves_several_prompts_as_one_batch(fixture_target_dir, capsys):
     """Repeated --prompt: one batch, one JSON line per prompt, each the output that prompt gets alone."""
     from draftsmith.cli import main

@@ -117,6 +117,46 @@ def _record_messages(record: Any) -> list[Message]:
     raise _Malformed(f"no 'conversations' or 'messages' key (keys: {', '.join(map(str, record)) or 'none'})")
 
 
+def _record_prompt(record: Any) -> str:
+    """The first user turn of a prompt-set record: {conversations|messages: [...]} (first user message), MT-bench
+    {turns: [first, ...]}, or a prompt under 'prompt' (HumanEval; a string or a message list), 'question' or
+    'instruction' (Alpaca's non-empty 'input' follows it after a blank line). A reply, when present, is ignored."""
+    if not isinstance(record, dict):
+        raise _Malformed("record is not a JSON object")
+    messages = next((record[key] for key in ("conversations", "messages") if key in record), None)
+    if messages is None and isinstance(record.get("prompt"), list):  # conversational prompt/completion
+        messages = record["prompt"]
+    if messages is not None:
+        text = next((m["content"] for m in _parse_messages(messages) if m["role"] == "user" and m["content"]), None)
+        if text is None:
+            raise _Malformed("conversation has no user turn with text")
+        return text
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+            raise _Malformed("'turns' must be a non-empty list of strings")
+        return turns[0]
+    key = next((k for k in ("prompt", "question", "instruction") if k in record), None)
+    if key is None:
+        raise _Malformed("no prompt: expected a 'prompt', 'question', 'instruction' or 'turns' key, or a "
+                         f"'conversations'/'messages' list (keys: {', '.join(map(str, record)) or 'none'})")
+    text = record[key]
+    if not isinstance(text, str) or not text:
+        raise _Malformed(f"'{key}' must be a non-empty string")
+    extra = record.get("input") if key == "instruction" else None
+    return f"{text}\n\n{extra}" if isinstance(extra, str) and extra else text
+
+
+def iter_prompts(path: str | Path) -> Iterator[tuple[str, str | None, str | None]]:
+    """The records of a prompt-set JSONL file in order, as ("path:line", prompt, None) or ("path:line", None, why
+    it is no prompt); line numbers are 1-based and blank lines are not records."""
+    for where, load in _iter_jsonl(Path(path)):
+        try:
+            yield where, _record_prompt(load()), None
+        except _Malformed as e:
+            yield where, None, e.reason
+
+
 def _clean(messages: list[Message], report: LoadReport) -> list[Message] | None:
     """Drop empty messages and assistant turns before the first user turn; None when no reply is left."""
     kept: list[Message] = []

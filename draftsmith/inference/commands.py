@@ -23,7 +23,8 @@ class CommandError(ValueError):
 
 
 def _add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model folder (Hugging Face format)")
+    p.add_argument("--target", required=True,
+                   help="target model: a folder (Hugging Face format) or a Hub id ORG/NAME (cached or downloaded)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, npu, npu:N (default: the accelerator found)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="target dtype (auto: bf16 on accelerators, float32 on CPU; losslessness is exact in float32)")
@@ -56,12 +57,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, action="append",
                    help="user message, rendered with the chat template when there is one; repeat to serve several "
                         "together as one batch")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_GENERATE_TOKENS)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_GENERATE_TOKENS,
+                   help="stop each reply after this many tokens, or earlier at an EOS "
+                        f"(default {DEFAULT_GENERATE_TOKENS})")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (a line each): token_ids, text, metrics")
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
+    from draftsmith.inference.eval import SKIP_MALFORMED_FLAG
+
     _add_common_args(p)
     p.add_argument("--speculative-config", action="append", required=True, metavar="JSON",
                    help="vLLM-style config; repeat to compare several. One without num_speculative_tokens runs "
@@ -69,9 +74,13 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="K",
                    help="proposal lengths to sweep, e.g. 1 3 5 7 (for configs that do not set num_speculative_tokens)")
     p.add_argument("--dataset", action="append", required=True, metavar="[NAME=]PATH",
-                   help="MT-bench question.jsonl or conversation JSONL; repeat for several, each reported on its own "
-                        "(NAME defaults to the file name)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_EVAL_TOKENS)
+                   help="JSONL prompt set: MT-bench question.jsonl (first of 'turns'), records with 'prompt' "
+                        "(HumanEval), 'question' or 'instruction', or conversations (first user turn); repeat for "
+                        "several, each reported on its own (NAME defaults to the file name)")
+    p.add_argument(SKIP_MALFORMED_FLAG, action="store_true",
+                   help="skip records that hold no prompt, counting them, instead of stopping at the first")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_EVAL_TOKENS,
+                   help=f"stop each reply after this many tokens, or earlier at an EOS (default {DEFAULT_EVAL_TOKENS})")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="use the first N prompts of each dataset (default: all)")
     p.add_argument("--batch-size", type=int, default=1,
@@ -80,7 +89,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-tolerance", type=float, default=None, metavar="FRACTION",
                    help="speedups this close to the best (relative) count as ties, won by the smaller k (default 0.01)")
     p.add_argument("--out", default=DEFAULT_EVAL_OUT,
-                   help=f"folder for eval.json, eval.txt and the plots (default: ./{DEFAULT_EVAL_OUT})")
+                   help=f"folder for eval.json, eval.txt and the plots (default: ./{DEFAULT_EVAL_OUT}); a drafter "
+                        "that is a draftsmith training checkpoint also gets its own rows as eval.json in its folder, "
+                        "for the model card of `draftsmith export`")
 
 
 def _load(args: argparse.Namespace, spec_texts: list[str]):
@@ -91,6 +102,7 @@ def _load(args: argparse.Namespace, spec_texts: list[str]):
     _check_max_new_tokens(args)
     device = dev.get_device(args.device)
     specs = [parse_spec_config(text, device_type=device.type) for text in spec_texts]
+    _check_drafters_reachable(specs)
     tokenizer = _load_tokenizer(args.target)
     return specs, tokenizer, _load_target(args, device)
 
@@ -104,15 +116,31 @@ def _load_target(args: argparse.Namespace, device):
                                        compile_layers=True if args.compile else None)
 
 
+def _check_drafters_reachable(specs) -> None:
+    """A drafter `model` given as a Hub id that is neither cached nor reachable fails now, not after huggingface_hub's
+    retries once the target is loaded (and, in eval, the baseline measured)."""
+    from draftsmith.models.drafter_config import hub_unreachable
+
+    for model in dict.fromkeys(spec.model for spec in specs if spec.model):
+        why_not = hub_unreachable(model)
+        if why_not:
+            raise CommandError(f"--speculative-config model {why_not}")
+
+
 def _check_max_new_tokens(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise CommandError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
 def _load_tokenizer(target: str):
-    """The tokenizer of --target, a folder or Hub id as `draftsmith train` takes it (models/target.py)."""
+    """The tokenizer of --target, a folder or Hub id as `draftsmith train` takes it (models/target.py); an id that
+    is neither cached nor reachable fails at once, before huggingface_hub's retries."""
+    from draftsmith.models.drafter_config import hub_unreachable
     from draftsmith.models.target import load_target_tokenizer
 
+    why_not = hub_unreachable(target)
+    if why_not:
+        raise CommandError(f"--target {why_not}")
     return load_target_tokenizer(target, "--target", CommandError)
 
 
@@ -159,9 +187,16 @@ def run_eval_command(args: argparse.Namespace) -> int:
     target is loaded.
     """
     from draftsmith import device as dev
-    from draftsmith.inference.eval import expand_spec_configs, load_prompts, name_datasets, run_sweep, write_eval_json
+    from draftsmith.inference.eval import (
+        drafter_eval_results,
+        expand_spec_configs,
+        load_prompts,
+        name_datasets,
+        run_sweep,
+        write_eval_json,
+    )
     from draftsmith.inference.report import SPEEDUP_TIE_TOLERANCE, add_recommendations, format_report, write_plots
-    from draftsmith.models.checkpoint import write_text_atomic
+    from draftsmith.models.checkpoint import EVAL_FILE, write_failure, write_text_atomic
 
     _check_max_new_tokens(args)
     if args.batch_size < 1:
@@ -172,9 +207,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
         raise CommandError(f"--tie-tolerance must be in [0, 1), got {tie_tolerance}")
     device = dev.get_device(args.device)
     specs = expand_spec_configs(args.speculative_config, args.num_speculative_tokens, device.type)
+    _check_drafters_reachable(specs)
     paths = name_datasets(args.dataset)
     tokenizer = _load_tokenizer(args.target)
-    prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts) for name, path in paths.items()}
+    prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts, skip_malformed=args.skip_malformed)
+               for name, path in paths.items()}
     target = _load_target(args, device)
 
     out = Path(args.out)
@@ -189,4 +226,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
     write_text_atomic(report + "\n", out / "eval.txt")
     written += [out / "eval.txt", *write_plots(sweep, out)]
     print("wrote " + ", ".join(str(p) for p in written))
+    for ckpt, result in drafter_eval_results(sweep).items():  # the acceptance table of the drafter's model card
+        try:
+            path = write_eval_json(result, ckpt / EVAL_FILE, target)
+        except OSError as e:
+            print(f"{write_failure(e, ckpt / EVAL_FILE)}: the model card of `draftsmith export {ckpt}` will have no "
+                  f"acceptance table ({out / 'eval.json'} has the results)", file=sys.stderr)
+            continue
+        print(f"wrote {path} (this drafter's rows, shown in the model card of `draftsmith export {ckpt}`)")
     return 0

@@ -12,11 +12,13 @@ a recommendation).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -26,10 +28,19 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith import device as dev
+from draftsmith.data.conversations import iter_prompts
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.spec_config import SpecConfig, SpecConfigError, build_proposer, parse_spec_config
-from draftsmith.models.checkpoint import draftsmith_version
+from draftsmith.models.checkpoint import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    CheckpointError,
+    draftsmith_version,
+    read_json,
+    resolve_checkpoint,
+    write_json_atomic,
+)
 
 WARMUP_TOKENS = 8  # each generator first runs one short untimed generation: start-up costs stay out of tok/s
 
@@ -58,47 +69,43 @@ def eos_token_ids(target, tokenizer) -> set[int]:
     return ids
 
 
-def _first_user_turns(path: Path, limit: int | None) -> list[str]:
-    """MT-bench `question.jsonl` (`turns[0]`) or conversation JSONL (first user message)."""
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), None)
-    if first is None:
-        raise EvalError(f"{path}: no prompts (empty file)")
-    try:
-        is_mt_bench = "turns" in json.loads(first)
-    except (json.JSONDecodeError, TypeError):
-        raise EvalError(f"{path}:1: expected one JSON object per line (MT-bench or conversation JSONL)") from None
-    if not is_mt_bench:
-        from draftsmith.data.conversations import load_conversations
+SKIP_MALFORMED_FLAG = "--skip-malformed"
 
-        conversations, _ = load_conversations(str(path), format="jsonl", max_samples=limit)
-        return [next(m["content"] for m in conv if m["role"] == "user") for conv in conversations]
 
+def _first_user_turns(path: Path, limit: int | None, skip_malformed: bool = False) -> list[str]:
+    """The first user turn of each record (data/conversations.py: `iter_prompts` reads MT-bench `turns`, HumanEval
+    `prompt`, `question`, `instruction` and conversation records); a record that is no prompt stops the run with its
+    line, or is skipped and counted with `skip_malformed`."""
     texts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    skipped: Counter = Counter()
+    with contextlib.closing(iter_prompts(path)) as records:
+        for where, text, reason in records:
             if limit is not None and len(texts) >= limit:
                 break
-            if not line.strip():
+            if text is None:
+                if not skip_malformed:
+                    raise EvalError(f"{where}: {reason} (pass {SKIP_MALFORMED_FLAG} to skip such records)")
+                skipped[reason] += 1
                 continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise EvalError(f"{path}:{lineno}: expected a JSON object with a 'turns' list") from None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-                raise EvalError(f"{path}:{lineno}: 'turns' must be a non-empty list of strings")
-            texts.append(turns[0])
+            texts.append(text)
+    if not texts:
+        why = "; ".join(f"skipped {n}: {r}" for r, n in skipped.most_common()) or "empty file"
+        raise EvalError(f"{path}: no prompts ({why})")
+    if skipped:
+        print(f"{path}: skipped {sum(skipped.values())} records that are no prompt "
+              f"({', '.join(f'{n} {r}' for r, n in skipped.most_common())})", file=sys.stderr)
     return texts
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[list[int]]:
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None, skip_malformed: bool = False
+                 ) -> list[list[int]]:
     """The first user turn of each record, rendered for generation; at most `limit` prompts."""
     path = Path(path)
     if not path.is_file():
         raise EvalError(f"{path}: prompt file not found")
     if limit is not None and limit < 1:
         raise EvalError(f"number of prompts must be >= 1, got {limit}")
-    return [render_prompt(tokenizer, text) for text in _first_user_turns(path, limit)]
+    return [render_prompt(tokenizer, text) for text in _first_user_turns(path, limit, skip_malformed)]
 
 
 def name_datasets(entries: Sequence[str]) -> dict[str, Path]:
@@ -365,8 +372,42 @@ def run_info(target, argv: list[str] | None = None) -> dict[str, Any]:
 
 def write_eval_json(result: dict[str, Any], path: str | Path, target, argv: list[str] | None = None) -> Path:
     """Write `result` plus `run_info` atomically (temporary file, then rename) and return the path."""
-    from draftsmith.models.checkpoint import write_json_atomic
-
     path = Path(path)
     write_json_atomic({**run_info(target, argv), **result}, path)
     return path
+
+
+def training_checkpoint(model: str | None) -> Path | None:
+    """The draftsmith training checkpoint that a config's `model` names (a checkpoint folder, or an output_dir
+    meaning its newest checkpoint, as the proposers resolve it), or None for anything else: a Hub id (whose cache is
+    not ours to write), an exported or published drafter (its config.json has "architectures", not "method")."""
+    if not model or not Path(model).is_dir():
+        return None
+    try:
+        ckpt = resolve_checkpoint(model)
+        config = read_json(ckpt / CONFIG_FILE)
+    except CheckpointError:
+        return None
+    return ckpt if isinstance(config, dict) and "method" in config and "architectures" not in config else None
+
+
+def drafter_eval_results(sweep: Mapping[str, Any]) -> dict[Path, dict[str, Any]]:
+    """{checkpoint folder: its slice of a `run_sweep` result} for every config whose drafter is a training
+    checkpoint: what `draftsmith eval` leaves there as eval.json, for the model card's acceptance table
+    (models/model_card.acceptance_table, read by every exporter through checkpoint.read_card_inputs).
+
+    A slice keeps the sweep's settings and datasets, only this drafter's rows (other methods would read as its own
+    in the card) and no recommendations (they may name other configs); its top-level `num_speculative_tokens` is
+    the k of its fastest row, which the speculators export writes as vLLM's default proposal length.
+    """
+    rows_by_ckpt: dict[Path, list[dict[str, Any]]] = {}
+    for row in sweep["results"]:
+        ckpt = training_checkpoint(row["spec_config"].get("model"))
+        if ckpt is not None:
+            rows_by_ckpt.setdefault(ckpt.resolve(), []).append(row)  # one folder however the configs spell it
+    settings = {k: v for k, v in sweep.items() if k not in ("results", "recommendations")}
+    return {
+        ckpt: {**settings, "num_speculative_tokens": max(rows, key=lambda r: r["speedup"])["num_speculative_tokens"],
+               "results": rows}
+        for ckpt, rows in rows_by_ckpt.items()
+    }

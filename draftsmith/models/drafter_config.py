@@ -75,6 +75,39 @@ class DrafterLoadError(ValueError):
 
 
 DRAFTER_FILES = ["*.json", "*.safetensors", "*.pt", "*.md"]  # what a drafter repo holds that draftsmith reads
+HUB_PROBE_TIMEOUT_S = 5.0  # one HEAD request to the Hub; a reachable Hub answers well within it
+
+
+def hub_unreachable(name: str) -> str | None:
+    """Why the Hugging Face repo id `name` cannot be resolved, when it is neither cached nor reachable; else None
+    (a local path, a cached id, or a Hub that answers, whose own errors the normal path reports).
+
+    Offline, huggingface_hub retries each uncached file for about 20 s before giving up, and a target needs several
+    files (92 to 114 s in all); one HEAD request without retries tells the same at once."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    from draftsmith.models.model_card import looks_like_hub_id
+
+    if not looks_like_hub_id(str(name)):
+        return None
+    try:
+        snapshot_download(str(name), local_files_only=True)
+        return None  # cached: read from there
+    except Exception:  # noqa: BLE001 - not cached (or no valid id, which the normal path reports)
+        pass
+    missing = f"{name}: not a local folder and not cached locally"
+    if constants.HF_HUB_OFFLINE:
+        return f"{missing}, and HF_HUB_OFFLINE=1 forbids downloading it: download it first or unset HF_HUB_OFFLINE"
+    try:
+        get_hf_file_metadata(hf_hub_url(str(name), "config.json"), timeout=HUB_PROBE_TIMEOUT_S)
+    except (HfHubHTTPError, HFValidationError):
+        return None  # the Hub answered: a missing or gated repo gets the normal path's message
+    except Exception as e:  # noqa: BLE001 - DNS, refused connection, timeout, proxy: the Hub cannot be reached
+        reason = (str(e).splitlines() or [""])[0] or type(e).__name__
+        return (f"{missing}, and the Hugging Face Hub cannot be reached ({reason}): download it where there is "
+                "network or give a local folder (HF_HUB_OFFLINE=1 skips the Hub and reads only the cache)")
+    return None
 
 
 def local_folder(name: str | Path, allow_patterns: list[str] | None = None) -> Path:
@@ -85,6 +118,9 @@ def local_folder(name: str | Path, allow_patterns: list[str] | None = None) -> P
 
     if Path(name).exists() or not looks_like_hub_id(str(name)):
         return Path(name)
+    why_not = hub_unreachable(str(name))
+    if why_not:  # fail at once rather than after huggingface_hub's retries
+        raise DrafterLoadError(why_not)
     from huggingface_hub import snapshot_download
 
     try:
