@@ -103,6 +103,9 @@ class DataConfig(BaseModel):
     # The hybrid: the first epoch runs the target and also writes its states into this store, later epochs (and
     # reruns) read it; resumable across a kill. Not with hidden_states_path.
     hidden_states_cache: str | None = None
+    # Checksum every shard of the hidden-state store before the first step (in parallel); false skips it for a
+    # trusted store on slow storage (each shard is then checksummed only when first read)
+    verify_store: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -408,3 +408,147 @@ def test_a_shard_is_read_back_by_safetensors_with_its_checksum_and_offsets(tmp_p
     with pytest.raises(AttributeError):
         write_shard(broken, [*order, "2.aux"], prefix, tmp_path / "broken.safetensors")
     assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]
+
+
+def overwrite_tensor_in_place(target, name, scale):
+    """Scale one weight tensor of a safetensors target in place: the same names, shapes, dtypes, offsets and file
+    size (so the same header), other values. Returns the weight file's name."""
+    import struct
+
+    from safetensors import safe_open
+
+    file = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"][name]
+    path = target / file
+    with safe_open(str(path), framework="pt") as f:
+        values = (f.get_tensor(name) * scale).contiguous()
+    with path.open("r+b") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        start = json.loads(f.read(header_len))[name]["data_offsets"][0]
+        f.seek(8 + header_len + start)
+        f.write(values.view(torch.uint8).numpy().tobytes())
+    return file
+
+
+def test_a_target_changed_in_place_refuses_its_store(tmp_path, fixture_target_dir):
+    """One tensor of the target overwritten in place (a merged adapter, a fine-tune saved over the original) leaves
+    config.json and every safetensors header as they were: the store collected from the old weights is refused,
+    naming the store, the target and the weight file."""
+    import shutil
+
+    from draftsmith.data.store import target_fingerprint
+
+    target = tmp_path / "target"
+    shutil.copytree(fixture_target_dir, target, copy_function=shutil.copyfile)  # writable, unlike the fixture
+    target.chmod(0o755)
+    recipe = store_recipe(target, tmp_path, tmp_path / "store")
+    collect(recipe, log=lambda *a: None)
+    before = target_fingerprint(str(target))
+    file = overwrite_tensor_in_place(target, "model.layers.4.self_attn.q_proj.weight", 0.5)
+    after = target_fingerprint(str(target))
+    assert after["weights_header_sha256"] == before["weights_header_sha256"]  # what the store used to compare
+    assert after["config_sha256"] == before["config_sha256"]
+    with pytest.raises(StoreError, match=rf"store/index.json: the target {target} changed since this store was "
+                                         rf"collected \({file} holds other values at the same size\)"):
+        train(recipe, log=lambda *a: None)
+    with pytest.raises(StoreError, match="changed since this store was collected"):
+        collect(recipe, log=lambda *a: None)  # nor does collect call it complete
+
+
+def test_a_store_without_a_weights_fingerprint_is_refused_with_the_fix(collected, tmp_path):
+    """A store written before the index recorded sampled weight bytes cannot show it belongs to the target's
+    current weights: refused with one line saying to collect it again, not trusted."""
+    recipe, folder = collected
+    folder = copy_store(folder, tmp_path)
+    index = json.loads((folder / INDEX).read_text())
+    del index["weights_sampled"]
+    (folder / INDEX).write_text(json.dumps(index))
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(folder)
+    dump["output_dir"] = str(tmp_path / "run")
+    with pytest.raises(StoreError, match=r"copy/index.json: written by an older draftsmith without a fingerprint of "
+                                         r"the target's weights.*run draftsmith collect again"):
+        train(recipe_from_dict(dump), log=lambda *a: None)
+
+
+def damage_shard(folder, sample):
+    """Flip one byte inside `sample`'s aux tensor; returns the shard's name."""
+    index = json.loads((folder / INDEX).read_text())
+    name, offset, _ = index["samples"][sample]
+    with (folder / name).open("r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return name
+
+
+def recorded_reads(monkeypatch):
+    """The store samples read, in order (recorded before the read, so also the one that fails)."""
+    reads, real = [], HiddenStateStore.sample
+
+    def sample(self, i):
+        reads.append(i)
+        return real(self, i)
+
+    monkeypatch.setattr(HiddenStateStore, "sample", sample)
+    return reads
+
+
+def test_a_damaged_shard_stops_training_before_its_first_read(collected, tmp_path, monkeypatch):
+    recipe, folder = collected
+    folder = copy_store(folder, tmp_path)
+    name = damage_shard(folder, sample=len(json.loads((folder / INDEX).read_text())["samples"]) - 1)
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(folder)
+    dump["output_dir"] = str(tmp_path / "run")
+    reads = recorded_reads(monkeypatch)
+    with pytest.raises(StoreError, match=f"copy/{name}: fails its checksum"):
+        train(recipe_from_dict(dump), log=lambda *a: None)
+    assert reads == []  # refused when the store was opened, not when the damaged shard came up
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_verify_store_false_skips_the_check_and_the_read_still_checks(collected, tmp_path, monkeypatch):
+    """data.verify_store: false starts training without checksumming the store; a damaged shard is still refused,
+    by name, when it is first read."""
+    recipe, folder = collected
+    folder = copy_store(folder, tmp_path)
+    name = damage_shard(folder, sample=0)  # a training sample: every one is read within the run's first epoch
+    dump = recipe.model_dump()
+    dump["data"].update({"hidden_states_path": str(folder), "verify_store": False})
+    dump["output_dir"] = str(tmp_path / "run")
+    reads = recorded_reads(monkeypatch)
+    with pytest.raises(StoreError, match=f"copy/{name}: fails its checksum"):
+        train(recipe_from_dict(dump), log=lambda *a: None)
+    assert reads  # training started: the damage was found at a read
+
+
+def test_verify_checksums_each_shard_once_and_a_shard_changed_since_is_checked_again(collected, tmp_path,
+                                                                                   monkeypatch):
+    """After `verify` the reads do not checksum a shard again (the store is read from disk once, not twice) unless
+    the shard changed since; each of `world` processes checksums only its share."""
+    import os
+
+    import draftsmith.data.store as store_mod
+
+    folder = copy_store(collected[1], tmp_path)
+    hashed, real = [], store_mod._sha256_file
+    monkeypatch.setattr(store_mod, "_sha256_file", lambda path, *a: hashed.append(path.name) or real(path, *a))
+    store = HiddenStateStore(folder)
+    names = sorted(store.index["shards"])
+    store.verify(rank=1, world=2)
+    assert hashed == names[1::2]
+    hashed.clear()
+    store.verify()
+    assert sorted(hashed) == names
+    hashed.clear()
+    for i in range(store.index["num_samples"]):
+        store.sample(i)
+    assert hashed == []
+    store = HiddenStateStore(folder)
+    store.verify()
+    name = damage_shard(folder, sample=3)  # after verification: a new modification time
+    stamp = (folder / name).stat().st_mtime_ns + 1_000_000_000  # set, not left to the clock's resolution
+    os.utime(folder / name, ns=(stamp, stamp))
+    with pytest.raises(StoreError, match=f"copy/{name}: fails its checksum"):
+        store.sample(3)

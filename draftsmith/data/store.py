@@ -15,15 +15,18 @@ layer, DESIGN.md's capture ids) and `last` the final-normed last hidden state, f
 teacher with the target's frozen head (the logits are never stored). Sample ids are the prepared data's order:
 the training samples, then the held-out ones. index.json records what the states belong to (target fingerprint,
 aux layer ids, tokenizer and chat template, a hash of the tokenized data), the dtype and sizes, every shard's
-sha256 and, per sample, [shard, byte offset of its aux tensor, length]. Reading checks all of it: a store that
-does not belong to the recipe, a shard that fails its checksum, or a non-finite state is a one-line error naming
-the key, shard or sample.
+sha256 and, per sample, [shard, byte offset of its aux tensor, length]. The target fingerprint includes sampled
+bytes of every weight file (`sampled_weights`), so weights changed in place are seen without reading them all.
+Training checks all of it before its first step (every shard's checksum too, unless data.verify_store is false): a
+store that does not belong to the recipe, a shard that fails its checksum, or a non-finite state is a one-line
+error naming the key, shard or sample.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -88,9 +91,59 @@ def _safetensors_headers_sha256(folder: Path) -> str | None:
     return h.hexdigest()
 
 
+# What `sampled_weights` reads of each weight file besides its header: every tensor's first, middle and last bytes (a
+# fine-tune, a merged adapter or an edited row range changes whole tensors, so one changed tensor is seen) and
+# evenly spaced chunks over the whole file. About 3.5 MB of an 8B target's 16 GB: cheap on a network file system.
+TENSOR_SAMPLE_BYTES = 4096
+FILE_SAMPLES, FILE_SAMPLE_BYTES = 16, 1 << 16
+
+
+def _sampled_ranges(header: dict, data_start: int, size: int) -> list[tuple[int, int]]:
+    """The [start, end) byte ranges of a safetensors file that `sampled_weights` hashes, sorted and merged."""
+    ranges = [(0, data_start)]  # the header: names, shapes, dtypes, offsets
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = (data_start + offset for offset in info["data_offsets"])
+        middle = (start + end - TENSOR_SAMPLE_BYTES) // 2
+        for a in (start, middle, end - TENSOR_SAMPLE_BYTES):
+            ranges.append((max(start, a), min(end, a + TENSOR_SAMPLE_BYTES)))
+    for k in range(FILE_SAMPLES + 1):  # k = 0 and k = FILE_SAMPLES: the file's first and last bytes
+        a = max(0, size - FILE_SAMPLE_BYTES) * k // FILE_SAMPLES
+        ranges.append((a, min(size, a + FILE_SAMPLE_BYTES)))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[0] < r[1]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def sampled_weights(folder: Path) -> dict[str, dict[str, Any]] | None:
+    """{weight file: its size and the sha256 of its sampled byte ranges} for every safetensors file of a local
+    target: sees weights changed in place with the same layout (which the header hash does not), without reading
+    them all (`_sampled_ranges`). None when the folder holds no safetensors files."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    sampled = {}
+    for f in files:
+        h = hashlib.sha256()
+        with f.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            (n,) = struct.unpack("<Q", fh.read(8))
+            for a, b in _sampled_ranges(json.loads(fh.read(n)), 8 + n, size):
+                fh.seek(a)
+                h.update(fh.read(b - a))
+        sampled[f.name] = {"bytes": size, "sampled_sha256": h.hexdigest()}
+    return sampled
+
+
 def target_fingerprint(target: str) -> dict[str, Any]:
     """What identifies the target's weights: its name, the Hub revision when it came from the Hub cache, and hashes
-    of its config.json and weight headers when its files are local."""
+    of its config.json, weight headers and sampled weight bytes (`sampled_weights`) when its files are local (a Hub
+    snapshot's files are local too, once in the cache)."""
     folder = Path(target)
     if not folder.is_dir():
         try:
@@ -103,7 +156,7 @@ def target_fingerprint(target: str) -> dict[str, Any]:
     config = folder / "config.json"
     return {"target": target, "revision": revision,
             "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
-            "weights_header_sha256": _safetensors_headers_sha256(folder)}
+            "weights_header_sha256": _safetensors_headers_sha256(folder), "weights_sampled": sampled_weights(folder)}
 
 
 def tokenizer_fingerprints(tokenizer) -> dict[str, str | None]:
@@ -129,11 +182,14 @@ def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
     return (num_aux + 1) * hidden_size * _DTYPES[dtype].itemsize + scales + 4 + 1  # + int32 id, int8 mask
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, progress: Callable[[int], Any] | None = None) -> str:
+    """The file's sha256, read in 16 MiB blocks; `progress` is told each block's size."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+            h.update(block)  # releases the GIL: threads hash several files at once
+            if progress is not None:
+                progress(len(block))
     return h.hexdigest()
 
 
@@ -433,12 +489,34 @@ def check_disk(folder: Path, needed: int) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-class HiddenStateStore:
-    """A complete store, opened for training: checked against what the recipe expects, read a batch at a time
-    (memory-mapped shards: only the requested samples' bytes are read), every shard checksummed at its first use."""
+VERIFY_BAR_BYTES = 1 << 30  # `verify` shows a progress bar from a store this large
 
-    CHECKED = ("format", "target", "revision", "config_sha256", "weights_header_sha256", "aux_layer_ids",
-               "tokenizer_sha256", "chat_template_sha256", "data_sha256", "num_train", "hidden_size")
+
+def _weights_change(recorded: dict | None, current: dict | None) -> str:
+    """What differs between two `sampled_weights` records, in words (the first weight file that differs)."""
+    recorded, current = recorded or {}, current or {}
+    for name in sorted(recorded.keys() | current.keys()):
+        if name not in current:
+            return f"{name} is gone"
+        if name not in recorded:
+            return f"{name} is new"
+        was, now = recorded[name], current[name]
+        if was["bytes"] != now["bytes"]:
+            return f"{name} is {now['bytes']} bytes, {was['bytes']} at collection"
+        if was["sampled_sha256"] != now["sampled_sha256"]:
+            return f"{name} holds other values at the same size"
+    return "no weight file differs"
+
+
+class HiddenStateStore:
+    """A complete store, opened for training: checked against what the recipe expects (`check_matches`), every
+    shard checksummed before the first step (`verify`, unless data.verify_store is false), read a batch at a time
+    (memory-mapped shards: only the requested samples' bytes are read). A shard is checksummed again at its first
+    read unless `verify` saw it and its size and modification time are unchanged since: a second line of defence
+    that costs nothing after `verify`."""
+
+    CHECKED = ("format", "target", "revision", "config_sha256", "weights_header_sha256", "weights_sampled",
+               "aux_layer_ids", "tokenizer_sha256", "chat_template_sha256", "data_sha256", "num_train", "hidden_size")
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -453,14 +531,60 @@ class HiddenStateStore:
         if self.index.get("format") != STORE_FORMAT:
             raise StoreError(f"{path}: format {self.index.get('format')!r} is not {STORE_FORMAT!r}")
         self._open: dict[str, Any] = {}
+        self._verified: dict[str, tuple[int, int]] = {}  # shard: (size, mtime in ns) when `verify` saw it
 
     def check_matches(self, expected: dict) -> None:
-        """One line naming the first key whose recorded value differs from the recipe's."""
+        """One line naming the first key whose recorded value differs from the recipe's.
+
+        A store written before the index recorded sampled weight bytes (`weights_sampled`) is refused when the
+        recipe's target is local: nothing in it could show it still belongs to the target's current weights, and a
+        stale store trains a drafter for other weights without any error."""
+        path = self.folder / INDEX
         for key in self.CHECKED:
-            if key in expected and self.index.get(key) != expected[key]:
-                raise StoreError(f"{self.folder / INDEX}: {key} is {self.index.get(key)!r} but the recipe gives "
-                                 f"{expected[key]!r}: these states belong to another target, layers, tokenizer or "
-                                 "data; collect a store for this recipe")
+            if key not in expected or self.index.get(key) == expected[key]:
+                continue
+            if key == "weights_sampled" and key not in self.index:
+                raise StoreError(f"{path}: written by an older draftsmith without a fingerprint of the target's "
+                                 f"weights, so it cannot show it belongs to {expected.get('target')}'s current "
+                                 "weights: run draftsmith collect again into a new or emptied folder")
+            if key == "weights_sampled":
+                raise StoreError(f"{path}: the target {expected.get('target')} changed since this store was "
+                                 f"collected ({_weights_change(self.index[key], expected[key])}): its states belong "
+                                 "to other weights; run draftsmith collect again into a new or emptied folder")
+            raise StoreError(f"{path}: {key} is {self.index.get(key)!r} but the recipe gives {expected[key]!r}: "
+                             "these states belong to another target, layers, tokenizer or data; collect a store for "
+                             "this recipe")
+
+    def verify(self, rank: int = 0, world: int = 1) -> None:
+        """Checksum every shard now, several at once (threads: hashlib releases the GIL), so a damaged one stops
+        the run before its first step rather than hours in. With `world` processes each checksums its share
+        (shards rank, rank + world, ...) and takes the others' on trust: a process that finds damage ends the
+        launch. One line naming the first damaged or missing shard."""
+        from tqdm.auto import tqdm
+
+        names, seen = sorted(self.index["shards"]), {}
+        for name in names:
+            path, recorded = self.folder / name, self.index["shards"][name]
+            if not path.is_file():
+                raise StoreError(f"{path}: missing from the store")
+            st = path.stat()
+            if st.st_size != recorded["bytes"]:
+                raise StoreError(f"{path}: {st.st_size} bytes where the index records {recorded['bytes']}: the file "
+                                 "is damaged or was changed after collection; collect the store again")
+            seen[name] = (st.st_size, st.st_mtime_ns)
+        mine = names[rank::world]
+        total = sum(self.index["shards"][name]["bytes"] for name in mine)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="verify store",
+                  disable=rank != 0 or total < VERIFY_BAR_BYTES) as bar, \
+                ThreadPoolExecutor(thread_name_prefix="draftsmith-verify") as pool:  # shut down before the bar
+            digests = [pool.submit(_sha256_file, self.folder / name, bar.update) for name in mine]
+            for name, digest in zip(mine, digests):  # in name order: the first damaged shard is named
+                if digest.result() != self.index["shards"][name]["sha256"]:
+                    for pending in digests:
+                        pending.cancel()  # the shards not started yet are not read
+                    raise StoreError(f"{self.folder / name}: fails its checksum: the file is damaged or was changed "
+                                     "after collection; collect the store again")
+        self._verified = seen
 
     def _shard(self, name: str):
         if name not in self._open:
@@ -470,7 +594,9 @@ class HiddenStateStore:
             recorded = self.index["shards"].get(name)
             if recorded is None or not path.is_file():
                 raise StoreError(f"{path}: missing from the store")
-            if _sha256_file(path) != recorded["sha256"]:
+            st = path.stat()
+            seen = self._verified.get(name) == (st.st_size, st.st_mtime_ns)  # by `verify`, untouched since
+            if not seen and _sha256_file(path) != recorded["sha256"]:
                 raise StoreError(f"{path}: fails its checksum: the file is damaged or was changed after collection; "
                                  "collect the store again")
             self._open[name] = safe_open(str(path), framework="pt")

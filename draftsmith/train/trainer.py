@@ -713,10 +713,14 @@ def _start_cache(recipe, tokenizer, target, method, data, rank: int, log):
 
 def _open_store(folder, recipe, tokenizer, target, method, data, log):
     """The store in `folder`, checked against this recipe; the capture that reads it."""
+    from accelerate import PartialState
+
     from draftsmith.data.store import HiddenStateStore, StoredCapture, human_bytes
 
     store = HiddenStateStore(Path(folder).expanduser())
     store.check_matches(recipe_store_header(recipe, tokenizer, target, method, data, store.index.get("dtype")))
+    if recipe.data.verify_store:  # every shard's checksum before the first step, each process its share
+        store.verify(PartialState().process_index, PartialState().num_processes)
     log(f"hidden states: read from {store.folder} ({store.index['num_samples']} samples, "
         f"{human_bytes(store.index['bytes'])}, {store.index['dtype']}); the target's layers are not run")
     return StoredCapture(store, target.device, target.dtype, method.aux_layer_ids)
