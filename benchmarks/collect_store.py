@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.data import prepare_dataset
     from draftsmith.inference.eval import run_info
     from draftsmith.models.target import TargetModel, load_target_tokenizer
-    from draftsmith.train.trainer import _method_class
+    from draftsmith.train.trainer import method_class
 
     began = time.time()
     recipe = load_recipe(args.recipe, args.overrides)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = [*data.train, *data.eval]
     target = TargetModel.from_pretrained(recipe.model.target, dtype="bfloat16" if dev.get_device().type != "cpu"
                                          else "float32")
-    aux_ids = _method_class(recipe.model.method)(recipe, target).aux_layer_ids
+    aux_ids = method_class(recipe.model.method)(recipe, target).aux_layer_ids
     report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]), "recipe": args.recipe,
               "overrides": args.overrides, "collection": [], "training": []}
 

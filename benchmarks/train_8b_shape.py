@@ -73,7 +73,7 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
 
 
 def build_method(name: str, target: TargetModel, args, flags=()):
-    from draftsmith.train.trainer import _method_class
+    from draftsmith.train.trainer import method_class
 
     recipe = recipe_from_dict({
         "model": {"target": target.name_or_path, "method": name,
@@ -86,7 +86,7 @@ def build_method(name: str, target: TargetModel, args, flags=()):
         **({"dflash": {"mask_token_id": target.vocab_size - 1,  # no tokenizer
                        "checkpoint_layers": "ckpt" in flags}} if name == "dflash" else {}),
     })
-    method = _method_class(name)(recipe, target)
+    method = method_class(name)(recipe, target)
     vocab = target.vocab_size
     d2t = torch.zeros(args.draft_vocab, dtype=torch.long)
     t2d = torch.zeros(vocab, dtype=torch.bool)

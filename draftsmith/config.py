@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
+
+from draftsmith.models import registry
+from draftsmith.models.spec import STRICT
 
 DEFAULT_CACHE_DIR = "~/.cache/draftsmith"
 
@@ -39,16 +42,16 @@ class RecipeError(ValueError):
 
 # --------------------------------------------------------------------------- schema
 
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=True)
+_STRICT = STRICT
 
 
 class ModelConfig(BaseModel):
     model_config = _STRICT
 
     target: str = Field(min_length=1)  # HF id or local path of the target
-    method: Literal["eagle3", "mtp", "dflash"] = "eagle3"
-    # EAGLE-3's draft vocabulary; None = min(32000, the target's vocabulary). MTP and DFlash read out with the
-    # target's whole head and do not use it.
+    method: Literal[registry.methods()] = "eagle3"  # type: ignore[valid-type]  # the methods of models/registry.py
+    # The draft vocabulary of methods that read out through their own (EAGLE-3); None = min(32000, the target's
+    # vocabulary). The others read out with the target's whole head and do not use it.
     draft_vocab_size: int | None = Field(None, gt=0)
     # Capture ids in DESIGN.md's convention (k = residual stream entering layer k,
     # i.e. output_hidden_states[k]); None = the method's default for the target.
@@ -59,28 +62,6 @@ class ModelConfig(BaseModel):
     # its draft vocabulary is kept.
     init_from: str | None = None
 
-    @model_validator(mode="after")
-    def _check_aux(self) -> ModelConfig:
-        ids = self.aux_layer_ids
-        if ids is None:
-            return self
-        if not ids:
-            raise ValueError("model.aux_layer_ids is empty: list at least one layer id or set it to null for the default")
-        if min(ids) < 0:
-            raise ValueError(f"model.aux_layer_ids {ids} has a negative id: ids count layers from 0 (the embedding output)")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"model.aux_layer_ids {ids} repeats a layer: list each layer once")
-        return self
-
-
-DEFAULT_DRAFT_VOCAB_SIZE = 32000  # EAGLE-3's (the reference and SpecForge checkpoints): model.draft_vocab_size null
-
-
-def draft_vocab_size_for(model: ModelConfig, target_vocab_size: int) -> int:
-    """model.draft_vocab_size, or when the recipe leaves it open the default that fits the target."""
-    if model.draft_vocab_size is not None:
-        return model.draft_vocab_size
-    return min(DEFAULT_DRAFT_VOCAB_SIZE, target_vocab_size)
 
 
 class DataConfig(BaseModel):
@@ -209,116 +190,54 @@ class TrainingConfig(BaseModel):
         return self
 
 
-class Eagle3Section(BaseModel):
-    """The `eagle3:` section, read only when model.method is eagle3: the drafter's forward-pass variants, named
-    and computed as vLLM's llama_eagle3.py and the speculators package do. SGLang implements none of them, so a
-    drafter with any of them on exports to vLLM's layouts only."""
+class _RecipeCore(BaseModel):
+    """The sections every recipe has; `Recipe` adds one section per drafter method (models/registry.py), then
+    `collect` and `output_dir`."""
 
-    model_config = _STRICT
-
-    norm_before_fc: bool = False  # RMSNorm over the concatenated aux features before fc (speculators' default)
-    fc_norm: bool = False  # one RMSNorm per aux layer before fc (the EAGLE 3.1 paper's form)
-    norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
-    norm_output: bool = False  # feed norm(out) back as the next draft step's hidden (EAGLE 3.1)
-
-    @model_validator(mode="after")
-    def _check(self) -> Eagle3Section:
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("eagle3.norm_before_fc and eagle3.fc_norm are two forms of the same input norm: set one "
-                             "of them (speculators refuses both)")
-        return self
-
-
-class DflashConfig(BaseModel):
-    """The `dflash:` section, read only when model.method is dflash."""
-
-    model_config = _STRICT
-
-    num_layers: int = Field(5, ge=1)  # draft decoder layers
-    block_size: int = Field(16, ge=2)  # anchor + (block_size - 1) masks; drafts up to block_size - 1 tokens
-    num_target_layers: int = Field(5, ge=1)  # how many target layers' features are fused (not the target's depth)
-    # Output-of-layer convention, as dflash_config.target_layer_ids in the export (id i = output of layer i =
-    # capture id i + 1); None = num_target_layers ids spread evenly from layer 1 to L-3.
-    target_layer_ids: list[int] | None = None
-    mask_token_id: int | None = Field(None, ge=0)  # None = a learned mask embedding
-    anchors_per_sequence: int = Field(512, ge=1)
-    loss_gamma: float | None = Field(None, gt=0)  # None = 7 / 5 / 4 for block 16 / 10 / 8, else block_size / 2
-    # each slot's target: the target's argmax (ce, as SpecForge trains; measured best on the fixture), or its
-    # whole next-token distribution (soft_ce)
-    loss: Literal["ce", "soft_ce"] = "ce"
-    checkpoint_layers: bool = False  # recompute each draft layer in the backward pass (long contexts, big batches)
-
-    @model_validator(mode="after")
-    def _check(self) -> DflashConfig:
-        ids = self.target_layer_ids
-        if ids is None:
-            return self
-        if not ids or min(ids) < 0:
-            raise ValueError(f"dflash.target_layer_ids {ids}: list layer ids >= 0 (output of layer i), or null")
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise ValueError(f"dflash.target_layer_ids {ids}: list them in increasing order, each once "
-                             "(engines concatenate features in layer order)")
-        if "num_target_layers" in self.model_fields_set and self.num_target_layers != len(ids):
-            raise ValueError(f"dflash.num_target_layers is {self.num_target_layers} but dflash.target_layer_ids "
-                             f"lists {len(ids)} layers: drop num_target_layers or make them agree")
-        self.num_target_layers = len(ids)  # so a saved recipe reads back the same
-        return self
-
-
-class MtpConfig(BaseModel):
-    """The `mtp:` section, read only when model.method is mtp. Depth d (1-based) predicts the token d + 1 ahead
-    with module (d - 1) % num_modules, the way vLLM cycles MTP layers."""
-
-    model_config = _STRICT
-
-    num_modules: int = Field(1, ge=1)  # distinct MTP modules (DeepSeek-V3 ships 1)
-    num_depths: int = Field(3, ge=1)  # depths trained per position (FastMTP: 3)
-    recursive: bool = True  # FastMTP: modules reused past num_modules; false: one module per depth (DeepSeek-V3)
-    depth_decay: float = Field(0.8, gt=0, le=1)  # loss weight of depth d is depth_decay**(d-1)
-    init_from_native: bool = True  # start from the target checkpoint's own MTP weights when it has them
-
-    @model_validator(mode="after")
-    def _check(self) -> MtpConfig:
-        if not self.recursive and self.num_depths != self.num_modules:
-            raise ValueError(
-                f"mtp.num_depths ({self.num_depths}) must equal mtp.num_modules ({self.num_modules}) when "
-                "mtp.recursive is false (one module per depth): set them equal, or set mtp.recursive=true"
-            )
-        if self.num_depths < self.num_modules:
-            raise ValueError(
-                f"mtp.num_depths ({self.num_depths}) < mtp.num_modules ({self.num_modules}) leaves modules "
-                f"untrained: set mtp.num_depths >= {self.num_modules}"
-            )
-        return self
-
-
-class Recipe(BaseModel):
     model_config = _STRICT
 
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
-    eagle3: Eagle3Section = Field(default_factory=Eagle3Section)
-    dflash: DflashConfig = Field(default_factory=DflashConfig)
-    mtp: MtpConfig = Field(default_factory=MtpConfig)
-    collect: CollectConfig = Field(default_factory=CollectConfig)
-    output_dir: str = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _check(self) -> Recipe:
+    def _check(self) -> _RecipeCore:
+        """What the trainer needs of any method, then the method's own rules (its spec's check_recipe)."""
+        spec = registry.get(self.model.method)
         budget = self.training.tokens_per_step
         if budget is not None and budget < self.data.max_length:
             raise ValueError(f"training.tokens_per_step ({budget}) is below data.max_length "
                              f"({self.data.max_length}): a longest sample would not fit in a step")
         if self.training.packing and budget is None:
             raise ValueError("training.packing needs training.tokens_per_step: the size of a packed row")
-        if self.training.packing and self.model.method != "eagle3":
-            raise ValueError(f"training.packing is implemented for EAGLE-3; model.method {self.model.method} trains "
-                             "on padded batches (set training.packing=false)")
-        if self.training.loss == "lk" and self.model.method != "eagle3":
-            raise ValueError(f"training.loss lk is implemented for EAGLE-3's soft targets; model.method "
-                             f"{self.model.method} trains with soft_ce")
+        packers = [s.title for s in registry.SPECS if s.packing]
+        if self.training.packing and not spec.packing:
+            raise ValueError(f"training.packing is implemented for {', '.join(packers)}; model.method "
+                             f"{self.model.method} trains on padded batches (set training.packing=false)")
+        if self.training.loss not in spec.losses:
+            raise ValueError(f"training.loss {self.training.loss} is not implemented for model.method "
+                             f"{self.model.method}: it trains with {' or '.join(spec.losses)}")
+        spec.check_recipe(self, None)
         return self
+
+
+Recipe = create_model(
+    "Recipe",
+    __base__=_RecipeCore,
+    **{spec.method: (spec.section, Field(default_factory=spec.section)) for spec in registry.SPECS},
+    collect=(CollectConfig, Field(default_factory=CollectConfig)),
+    output_dir=(str, Field(min_length=1)),
+)
+Recipe.__doc__ = "A whole recipe: the core sections, one section per drafter method, collect and output_dir."
+
+
+def check_recipe_against_target(recipe: Recipe, target_config: Mapping[str, Any], source: str = "recipe") -> None:
+    """The method's rules that need the target (layer ids in range, sizes that must fit), from its config.json as a
+    dict, before anything heavy loads; a RecipeError naming `source` and the key otherwise."""
+    try:
+        registry.get(recipe.model.method).check_recipe(recipe, target_config)
+    except ValueError as e:
+        raise RecipeError(f"{source}: {e} (target {recipe.model.target})") from None
 
 
 # --------------------------------------------------------------------------- YAML

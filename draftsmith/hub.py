@@ -12,12 +12,21 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.models.checkpoint import CONFIG_FILE, CheckpointError, read_json
+from draftsmith.models import registry
+from draftsmith.models.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    CheckpointImportError,
+    human_size,
+    load_folder_tensors,
+    read_json,
+)
+from draftsmith.models.model_card import replace_serving_section
+from draftsmith.models.spec import resolve
 
 CARD_FILE = "README.md"
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -39,49 +48,9 @@ class PushPlan:
     warnings: list[str] = field(default_factory=list)
 
 
-# ---- per-format knowledge: contract check and serve commands ------------------------------------------------
-def _native_check(config: dict[str, Any], tensors) -> tuple[list[str], list[str]]:
-    from draftsmith.models.eagle3.export import check_native_eagle3
-
-    return check_native_eagle3(config, tensors)
-
-
-def _native_commands(config: dict[str, Any], draft: str) -> dict[str, str]:
-    from draftsmith.models.eagle3.export import eagle3_serve_commands
-
-    return eagle3_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft)
-
-
-def _speculators_check(config: dict[str, Any], tensors) -> tuple[list[str], list[str]]:
-    from draftsmith.models.eagle3.speculators import check_speculators
-
-    return check_speculators(config, tensors)
-
-
-def _speculators_commands(config: dict[str, Any], draft: str) -> dict[str, str]:
-    from draftsmith.models.eagle3.speculators import speculators_serve_commands
-
-    spec = config["speculators_config"]
-    return speculators_serve_commands(spec["verifier"]["name_or_path"], draft,
-                                      spec["proposal_methods"][0]["speculative_tokens"])
-
-
 def _served_target(config: dict[str, Any]) -> str:
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     return verifier.get("name_or_path") or (config.get("draftsmith") or {}).get("target") or ""
-
-
-@dataclass(frozen=True)
-class PushFormat:
-    check: Callable[[dict[str, Any], dict], tuple[list[str], list[str]]]  # (problems, warnings)
-    serve_commands: Callable[[dict[str, Any], str], dict[str, str]]  # (config, draft ref) -> {engine: command}
-
-
-# Keyed by `draftsmith.models.importer.detect_format`; a format missing here is uploaded as is, with a warning.
-PUSH_FORMATS: dict[str, PushFormat] = {
-    "native-eagle3": PushFormat(_native_check, _native_commands),
-    "speculators-eagle3": PushFormat(_speculators_check, _speculators_commands),
-}
 
 
 # ---- planning (no network) ---------------------------------------------------------------------------------
@@ -99,9 +68,6 @@ def _uploadable(folder: Path) -> list[Path]:
 
 def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
     """Check the folder and build the exact upload; raises PushError with the reason."""
-    from draftsmith.models.importer import CheckpointImportError, detect_format, load_folder_tensors
-    from draftsmith.models.model_card import replace_serving_section
-
     folder = Path(folder)
     if not _REPO_ID.fullmatch(repo_id or ""):
         raise PushError(f"--repo-id {repo_id!r}: expected ORG/NAME (letters, digits, '-', '_', '.')")
@@ -122,23 +88,24 @@ def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
                         f"(draftsmith export {folder} --format FORMAT --out DIR)")
 
     warnings: list[str] = []
-    fmt = detect_format(config)
+    found = registry.detect_layout(config)
+    fmt = found[1] if found is not None and found[1].check is not None else None
     files: list[tuple[str, Path | bytes, int]] = [
         (p.relative_to(folder).as_posix(), p, p.stat().st_size) for p in _uploadable(folder)
     ]
-    if fmt in PUSH_FORMATS:
+    if fmt is not None:
         try:
             tensors = load_folder_tensors(folder)
         except CheckpointImportError as e:
             raise PushError(str(e)) from None
-        problems, more = PUSH_FORMATS[fmt].check(config, tensors)
+        problems, more = resolve(fmt.check)(config, tensors)
         if problems:
-            raise PushError(f"{folder}: refusing to push, the {fmt} contract fails: " + "; ".join(problems))
+            raise PushError(f"{folder}: refusing to push, the {fmt.layout} contract fails: " + "; ".join(problems))
         warnings += more
         card_path = folder / CARD_FILE
         if card_path.is_file():
             card = replace_serving_section(card_path.read_text(encoding="utf-8"),
-                                           PUSH_FORMATS[fmt].serve_commands(config, repo_id))
+                                           resolve(fmt.serve_commands)(config, repo_id))
             if card is None:
                 warnings.append(f"{CARD_FILE} has no Serving section; uploaded unchanged")
             else:
@@ -156,8 +123,9 @@ def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
                         "and the model card's serve commands still name the local folder")
     if not files:
         raise PushError(f"{folder}: nothing to upload")
-    what = fmt or "drafter"
-    return PushPlan(folder=folder, repo_id=repo_id, format=fmt, files=files, warnings=warnings,
+    what = fmt.layout if fmt is not None else "drafter"
+    return PushPlan(folder=folder, repo_id=repo_id, format=what if fmt is not None else None, files=files,
+                    warnings=warnings,
                     commit_message=f"Upload {what} export with draftsmith push")
 
 
@@ -193,12 +161,6 @@ def push(plan: PushPlan, *, private: bool = False, revision: str | None = None, 
     return str(getattr(info, "commit_url", info))
 
 
-def _size(n: int) -> str:
-    from draftsmith.models.export import _size as size
-
-    return size(n)
-
-
 def add_push_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", type=Path, help="an export folder (the --out of `draftsmith export`)")
     p.add_argument("--repo-id", required=True, help="ORG/NAME of the model repo (created if missing)")
@@ -217,11 +179,11 @@ def run_push(args: argparse.Namespace) -> int:
         print(f"draftsmith push: warning: {warning}", file=sys.stderr)
     where = f"{plan.repo_id}@{args.revision or 'main'}"
     total = sum(size for _, _, size in plan.files)
-    print(f"{'would upload' if args.dry_run else 'uploading'} {len(plan.files)} files ({_size(total)}) to {where}"
-          f"{' (private)' if args.private else ''}, commit message {plan.commit_message!r}:")
+    print(f"{'would upload' if args.dry_run else 'uploading'} {len(plan.files)} files ({human_size(total)}) to "
+          f"{where}{' (private)' if args.private else ''}, commit message {plan.commit_message!r}:")
     for name, src, size in plan.files:
         note = "  (model card re-rendered for the repo)" if isinstance(src, bytes) else ""
-        print(f"  {name:<28} {_size(size):>10}{note}")
+        print(f"  {name:<28} {human_size(size):>10}{note}")
     if args.dry_run:
         print(f"dry run: nothing uploaded; Hugging Face token {'found' if find_token() else 'NOT found'}")
         return 0

@@ -11,15 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
-from draftsmith.config import recipe_from_dict
+from draftsmith.config import RecipeError, recipe_from_dict
 from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
-from draftsmith.models.dflash.config import (
-    DflashConfigError,
-    DflashDrafterConfig,
-    default_loss_gamma,
-    default_target_layer_ids,
-    spare_token_id,
-)
+from draftsmith.models.dflash.config import DflashConfigError, DflashDrafterConfig, spare_token_id
+from draftsmith.models.dflash.section import default_loss_gamma, default_target_layer_ids
 from draftsmith.models.dflash.export import check_dflash_export, export_config, export_dflash
 from draftsmith.models.dflash.loss import (
     block_labels,
@@ -28,14 +23,9 @@ from draftsmith.models.dflash.loss import (
     sample_anchors,
     teacher_rows,
 )
-from draftsmith.models.dflash.model import (
-    MASK_EMBEDDING_FILE,
-    DflashDrafter,
-    DrafterLoadError,
-    block_attention_mask,
-    init_drafter,
-    load_drafter,
-)
+from draftsmith.models.dflash.io import load_drafter
+from draftsmith.models.dflash.model import MASK_EMBEDDING_FILE, DflashDrafter, block_attention_mask, init_drafter
+from draftsmith.models.drafter_config import DrafterLoadError
 
 H = 64
 
@@ -293,7 +283,7 @@ def test_soft_loss_matches_a_slow_loop_against_the_teacher_distribution():
 
 
 def test_dflash_loss_key_reaches_the_method(fixture_target_dir):
-    from draftsmith.config import recipe_from_dict
+    from draftsmith.config import RecipeError, recipe_from_dict
     from draftsmith.models.dflash.training import DflashMethod
     from draftsmith.models.target import TargetModel
 
@@ -496,14 +486,11 @@ def test_tiny_training_run_writes_a_loadable_checkpoint(tmp_path, fixture_target
     assert evals and evals[-1]["eval/sim_accept_len"] > 1.0 and evals[-1]["eval/acc_0"] > 0
 
 
-def test_training_refuses_eagle3_aux_ids(tmp_path, fixture_target_dir, fixture_target):
-    from draftsmith.models.dflash.training import DflashMethod
-
-    recipe = recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": "dflash",
-                                         "aux_layer_ids": [2, 4]},
-                               "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
-    with pytest.raises(DflashConfigError, match="dflash.target_layer_ids"):
-        DflashMethod(recipe, fixture_target)
+def test_recipe_refuses_eagle3_aux_ids(tmp_path):
+    """DFlash's layers are dflash.target_layer_ids: the recipe is refused when it is read, before any loading."""
+    with pytest.raises(RecipeError, match="dflash.target_layer_ids"):
+        recipe_from_dict({"model": {"target": "unused", "method": "dflash", "aux_layer_ids": [2, 4]},
+                          "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
 
 
 def test_recipe_checkpoint_layers_reaches_the_drafter(tmp_path, fixture_target_dir, fixture_target):

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.models.eagle3.config import Eagle3Config, default_aux_layer_ids
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.section import default_aux_layer_ids
 from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
 from draftsmith.models.eagle3.model import Eagle3Drafter
 

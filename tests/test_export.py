@@ -20,14 +20,14 @@ from draftsmith.models.checkpoint import (
     save_safetensors_atomic,
     write_json_atomic,
 )
-from draftsmith.models.eagle3.config import Eagle3Config, default_aux_layer_ids
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.section import default_aux_layer_ids
+from draftsmith.models.spec import capture_from_output, output_from_capture
 from draftsmith.models.eagle3.export import (
     AUX_IDS_KEY,
-    capture_to_output_of_layer,
     check_native_eagle3,
     export_native_eagle3,
     native_config,
-    output_of_layer_to_capture,
     validate_native_eagle3,
 )
 from draftsmith.models.export import add_export_args, run_export
@@ -102,8 +102,8 @@ def leftovers(parent: Path) -> list[str]:
 def test_default_aux_ids_for_32_layers_in_both_conventions():
     ids = default_aux_layer_ids(32)
     assert ids == [2, 16, 29]  # vLLM capture convention
-    assert capture_to_output_of_layer(ids) == [1, 15, 28]  # SGLang output-of-layer convention
-    assert output_of_layer_to_capture([1, 15, 28]) == [2, 16, 29]
+    assert output_from_capture(ids) == [1, 15, 28]  # SGLang output-of-layer convention
+    assert capture_from_output([1, 15, 28]) == [2, 16, 29]
 
     config = native_config(tiny_eagle3_config(num_layers=32))
     assert config[AUX_IDS_KEY] == [2, 16, 29]
@@ -112,7 +112,7 @@ def test_default_aux_ids_for_32_layers_in_both_conventions():
 
 def test_capture_id_zero_has_no_sglang_form():
     with pytest.raises(ValueError, match="embedding output"):
-        capture_to_output_of_layer([0, 4, 6])
+        output_from_capture([0, 4, 6])
 
 
 def test_sglang_ids_not_starting_at_one_warn_but_export(tmp_path):

@@ -20,7 +20,7 @@ from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_ato
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.io import DrafterLoadError, load_drafter
 from draftsmith.models.eagle3.model import Eagle3Drafter
-from draftsmith.models.export import EXPORTERS
+from draftsmith.models.export import exporter
 from draftsmith.models.importer import CheckpointImportError, import_checkpoint
 
 TARGET = dict(vocab_size=256, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -212,7 +212,7 @@ def test_import_speculators_keeps_its_proposal_length(tmp_path, target_dir):
     src = speculators_public(tmp_path / "spec", cfg, weights, target_embedding(target_dir))
     import_checkpoint(src, tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "import.json").read_text())["num_speculative_tokens"] == 4
-    out = EXPORTERS["speculators"](tmp_path / "ckpt", tmp_path / "again").out_dir
+    out = exporter("speculators")(tmp_path / "ckpt", tmp_path / "again").out_dir
     assert json.loads((out / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
         "speculative_tokens"] == 4
 
@@ -252,9 +252,9 @@ def test_export_import_export_is_unchanged(tmp_path, target_dir, fmt, dtype):
     cfg.target_architectures = ["LlamaForCausalLM"]
     ckpt = make_checkpoint(tmp_path / "run", cfg, weights, step=42,
                            eval_result={"num_speculative_tokens": 5, "results": []})
-    first = EXPORTERS[fmt](ckpt, tmp_path / "first", dtype=dtype).out_dir
+    first = exporter(fmt)(ckpt, tmp_path / "first", dtype=dtype).out_dir
     import_checkpoint(first, tmp_path / "imported")
-    second = EXPORTERS[fmt](tmp_path / "imported", tmp_path / "second", dtype=dtype).out_dir
+    second = exporter(fmt)(tmp_path / "imported", tmp_path / "second", dtype=dtype).out_dir
 
     assert json.loads((first / "config.json").read_text()) == json.loads((second / "config.json").read_text())
     a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))

@@ -20,7 +20,7 @@ from test_export import make_checkpoint  # shared helpers, same folder
 
 from draftsmith.cli import main as cli_main
 from draftsmith.models.eagle3.config import Eagle3Config
-from draftsmith.models.export import EXPORTERS
+from draftsmith.models.export import exporter
 
 TOKEN = "hf_FAKEtokenThatMustNeverBePrinted42"
 REPO = "draftsmith-test/tiny-eagle3"
@@ -99,8 +99,8 @@ def export_dir(tmp_path_factory) -> Path:
     cfg = Eagle3Config.from_target(target, 32, target_name_or_path=str(root / "target"))
     cfg.target_architectures = ["LlamaForCausalLM"]
     ckpt = make_checkpoint(root / "run", cfg)
-    out = EXPORTERS["speculators"](ckpt, root / "export").out_dir
-    native = EXPORTERS["sglang"](ckpt, root / "export-sglang").out_dir
+    out = exporter("speculators")(ckpt, root / "export").out_dir
+    native = exporter("sglang")(ckpt, root / "export-sglang").out_dir
     assert native.is_dir()
     return out
 

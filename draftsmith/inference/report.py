@@ -21,10 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.inference.eval import format_table, series_key
+from draftsmith.models import registry
 
 SPEEDUP_TIE_TOLERANCE = 0.01  # timing noise between runs of one config is about 1% on a quiet GPU
 VLLM_KEY_ORDER = ("method", "model", "num_speculative_tokens")  # then the method's own keys, as measured
-NOT_IN_VLLM = frozenset({"dynamic_tree", "suffix_hybrid"})  # draftsmith's own: the EAGLE-2 dynamic tree, the hybrid
+# draftsmith's own keys, never recommended to vLLM: the EAGLE-2 dynamic tree, the hybrid, and the methods' own
+# runtime keys (DSpark's confidence_threshold)
+NOT_IN_VLLM = frozenset({"dynamic_tree", "suffix_hybrid",
+                         *(key for spec in registry.SPECS for key in spec.runtime_keys)})
 
 
 def dataset_result(sweep: Mapping[str, Any], name: str) -> dict[str, Any]:

@@ -10,31 +10,42 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from draftsmith import device as dev
+from draftsmith.inference.hybrid import SuffixHybridProposer
+from draftsmith.inference.ngram import NgramProposer
+from draftsmith.inference.suffix import SUFFIX_DEFAULTS, SuffixProposer
+from draftsmith.inference.tree import TreeError, parse_token_tree
+from draftsmith.models import registry
+from draftsmith.models.spec import resolve
 
-AVAILABLE_METHODS = ("eagle3", "ngram", "suffix", "dflash", "mtp")
+# The runtime's own proposers, which need no drafter; every drafter method comes from models/registry.py. Each
+# class has `from_config(spec, target) -> Proposer`: adding a method is a spec or a row here, never a branch in the
+# runtime.
+MODEL_FREE_PROPOSERS = {
+    "ngram": NgramProposer,
+    "suffix": SuffixProposer,
+}
 # vLLM methods draftsmith will run, not yet, and why: refused rather than run with another method's code.
 RESERVED_METHODS: dict[str, str] = {
     "eagle": "EAGLE-1/2 drafters (one layer over the target's last hidden state, no aux layers) are not "
              "implemented yet; an EAGLE-3 drafter is method 'eagle3'",
 }
 
-# method -> "module:Class"; each class has `from_config(spec, target) -> Proposer`. Adding a method is adding a
-# row here, never a branch in the runtime.
-PROPOSERS = {
-    "ngram": "draftsmith.inference.ngram:NgramProposer",
-    "suffix": "draftsmith.inference.suffix:SuffixProposer",
-    "eagle3": "draftsmith.models.eagle3.proposer:Eagle3Proposer",
-    "dflash": "draftsmith.models.dflash.proposer:DflashProposer",
-    "mtp": "draftsmith.models.mtp.proposer:MtpProposer",  # model omitted: the target's native MTP (as vLLM)
-}
+
+def available_methods() -> tuple[str, ...]:
+    return (*registry.methods(), *MODEL_FREE_PROPOSERS)
+
+
+def scored_methods() -> tuple[str, ...]:
+    """Methods whose proposers draft from per-token scores: they can draft trees and sample their drafts."""
+    return tuple(spec.method for spec in registry.SPECS if spec.scored_drafts)
+
 
 # vLLM keys that do not change which tokens come out of this runtime.
 IGNORED_KEYS = frozenset({
@@ -43,21 +54,16 @@ IGNORED_KEYS = frozenset({
 })
 # vLLM keys that would change the output and that draftsmith does not implement yet.
 UNSUPPORTED_KEYS = frozenset({
-    "rejection_sample_method",
+    "rejection_sample_method", "enable_adaptive_verification", "dspark_draft_topk",
     "parallel_drafting", "num_speculative_tokens_per_batch_size", "synthetic_acceptance_rates",
     "synthetic_acceptance_length", "n_predict",
 })
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's value for both bounds when neither is given
 # Keys people write for vLLM's static tree that vLLM does not read.
 TREE_KEY_ALIASES = ("spec_token_tree", "token_tree", "tree")
-# Methods whose proposers draft from per-token scores: they can draft trees and sample their drafts.
-SCORED_METHODS = ("eagle3",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's draft_sample_method values; greedy is its default
 DYNAMIC_TREE_KEYS = ("depth", "top_k")
 HYBRID_KEYS = ("min_score",)
-# vLLM's suffix_decoding_* defaults (vllm/config/speculative.py); suffix's num_speculative_tokens defaults to the depth.
-SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
-                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 NPU_MAX_TOKENS_PER_ROUND = 16  # vllm-ascend: npu_fused_infer_attention_score verifies at most 16 tokens
 
 
@@ -80,9 +86,12 @@ class SpecConfig:
     speculative_token_tree: str | None = None  # vLLM's static tree, paths of child ranks: "[(0,), (1,), (0, 0)]"
     dynamic_tree: dict[str, int] | None = None  # EAGLE-2 tree {"depth": d, "top_k": k}; nodes kept = k_spec
     suffix_hybrid: dict[str, float] | None = None  # {"min_score": s}: suffix drafts where they score >= s
+    # the method's own keys (its spec's runtime_keys, e.g. DSpark's confidence_threshold), checked
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        flat = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "options"}
+        return {**flat, **self.options}
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -92,20 +101,24 @@ def _positive_int(key: str, value: Any) -> int:
 
 
 def _check_method(method: Any) -> str:
+    """The method's canonical name: a registry method (or an engine's other name for it, such as vLLM's
+    deepseek_mtp for mtp) or a model-free proposer."""
+    available = available_methods()
     if method is None:
-        raise SpecConfigError(f"speculative config: 'method' is required (one of {', '.join(AVAILABLE_METHODS)})")
+        raise SpecConfigError(f"speculative config: 'method' is required (one of {', '.join(available)})")
     if method in RESERVED_METHODS:
         raise SpecConfigError(
             f"speculative config: method {method!r} is not available yet in draftsmith's runtime: "
-            f"{RESERVED_METHODS[method]} (available: {', '.join(AVAILABLE_METHODS)})"
+            f"{RESERVED_METHODS[method]} (available: {', '.join(available)})"
         )
-    if method not in AVAILABLE_METHODS:
-        close = difflib.get_close_matches(str(method), AVAILABLE_METHODS + tuple(RESERVED_METHODS), n=1)
+    if method in MODEL_FREE_PROPOSERS:
+        return method
+    spec = registry.find(str(method))
+    if spec is None:
+        close = difflib.get_close_matches(str(method), available + tuple(RESERVED_METHODS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise SpecConfigError(
-            f"speculative config: unknown method {method!r}{hint}; available: {', '.join(AVAILABLE_METHODS)}"
-        )
-    return method
+        raise SpecConfigError(f"speculative config: unknown method {method!r}{hint}; available: {', '.join(available)}")
+    return spec.method
 
 
 def _prompt_lookup_bounds(raw: Mapping[str, Any]) -> tuple[int, int]:
@@ -159,24 +172,23 @@ def _tree_options(raw: Mapping[str, Any], method: str) -> dict[str, Any]:
     a static tree fills it in when it is missing and must match it otherwise; a dynamic tree keeps that many of
     its best nodes, so it must be at most the nodes the expansion generates (top_k + (depth-1) * top_k^2).
     """
-    from draftsmith.inference.tree import TreeError, parse_token_tree
-
     opts: dict[str, Any] = {}
     sample = raw.get("draft_sample_method")
     if sample is not None:
         if sample not in DRAFT_SAMPLE_METHODS:
             raise SpecConfigError(f"speculative config: draft_sample_method must be one of "
                                   f"{', '.join(DRAFT_SAMPLE_METHODS)}, got {sample!r}")
-        if sample == "probabilistic" and method not in SCORED_METHODS:
+        if sample == "probabilistic" and method not in scored_methods():
             raise SpecConfigError(f"speculative config: draft_sample_method 'probabilistic' needs a drafter with "
-                                  f"draft distributions ({', '.join(SCORED_METHODS)}); {method!r} drafts are one-hot")
+                                  f"draft distributions ({', '.join(scored_methods())}); {method!r} drafts are "
+                                  "one-hot")
         opts["draft_sample_method"] = sample
     static, dynamic = raw.get("speculative_token_tree"), raw.get("dynamic_tree")
     if static is None and dynamic is None:
         return opts
-    if method not in SCORED_METHODS:
+    if method not in scored_methods():
         raise SpecConfigError(f"speculative config: draft trees need a drafter with per-token scores "
-                              f"({', '.join(SCORED_METHODS)}), not {method!r}; drop the tree key")
+                              f"({', '.join(scored_methods())}), not {method!r}; drop the tree key")
     if static is not None and dynamic is not None:
         raise SpecConfigError("speculative config: give speculative_token_tree (static) or dynamic_tree, not both")
     if sample == "probabilistic":
@@ -218,9 +230,9 @@ def _hybrid_options(raw: Mapping[str, Any], method: str, tree: Mapping[str, Any]
     hybrid = raw.get("suffix_hybrid")
     if hybrid is None:
         return {}
-    if method not in SCORED_METHODS:
+    if method not in scored_methods():
         raise SpecConfigError(f"speculative config: suffix_hybrid pairs suffix decoding with a drafter "
-                              f"({', '.join(SCORED_METHODS)}), not {method!r}")
+                              f"({', '.join(scored_methods())}), not {method!r}")
     if tree or raw.get("draft_sample_method") == "probabilistic":
         raise SpecConfigError("speculative config: suffix_hybrid drafts greedy chains; drop the tree or "
                               "draft_sample_method 'probabilistic'")
@@ -247,9 +259,10 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
     if not isinstance(raw, Mapping):
         raise SpecConfigError(f"speculative config: expected a JSON object, got {type(raw).__name__}")
 
-    fields = {f.name for f in dataclasses.fields(SpecConfig)}
+    fields = {f.name for f in dataclasses.fields(SpecConfig)} - {"options"}
+    method_keys = {key: spec for spec in registry.SPECS for key in spec.runtime_keys}
     for key in raw:
-        if key in fields or key in IGNORED_KEYS:
+        if key in fields or key in IGNORED_KEYS or key in method_keys:
             continue
         if key in TREE_KEY_ALIASES:
             raise SpecConfigError(f"speculative config: key {key!r} is not supported; vLLM's key for a static tree "
@@ -261,6 +274,16 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
         raise SpecConfigError(f"speculative config: unknown key {key!r}{hint}")
 
     method = _check_method(raw.get("method"))
+    options = {}
+    for key, owner in method_keys.items():
+        if key not in raw:
+            continue
+        if owner.method != method:
+            raise SpecConfigError(f"speculative config: {key} is {owner.title}'s key, not {method!r}'s")
+        try:
+            options[key] = owner.runtime_keys[key](raw[key])
+        except ValueError as e:
+            raise SpecConfigError(f"speculative config: {e}") from None
     # suffix_decoding_* are accepted for every method, as vLLM does, but only mean something for suffix.
     suffix = _suffix_options(raw) if method == "suffix" else {}
     if raw.get("num_speculative_tokens") is None and suffix:  # vLLM: suffix drafts up to the tree depth
@@ -275,7 +298,8 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
     model = raw.get("model")
     if model is not None and not isinstance(model, str):
         raise SpecConfigError(f"speculative config: model must be a path string, got {model!r}")
-    if method in ("eagle3", "dflash") and not model:
+    spec = registry.find(method)
+    if spec is not None and spec.model_required and not model:
         raise SpecConfigError(f"speculative config: method {method!r} needs 'model', the drafter checkpoint path")
     # prompt_lookup_* are accepted for every method, as vLLM does, but only mean something for ngram.
     low, high = _prompt_lookup_bounds(raw) if method == "ngram" else (None, None)
@@ -287,26 +311,25 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
             f"most {NPU_MAX_TOKENS_PER_ROUND} tokens per round (k + 1 <= {NPU_MAX_TOKENS_PER_ROUND}); "
             f"use num_speculative_tokens <= {NPU_MAX_TOKENS_PER_ROUND - 1}"
         )
-    return SpecConfig(method=method, num_speculative_tokens=k, model=model,
-                      prompt_lookup_max=high, prompt_lookup_min=low, **suffix, **tree, **hybrid)
+    return SpecConfig(method=method, num_speculative_tokens=k, model=model, prompt_lookup_max=high,
+                      prompt_lookup_min=low, **suffix, **tree, **hybrid, options=options)
 
 
 def build_proposer(spec: SpecConfig, target):
-    """The proposer for `spec.method`, resolved through `PROPOSERS` and built with `from_config(spec, target)`."""
-    try:
-        module_name, class_name = PROPOSERS[spec.method].split(":")
-    except KeyError:
-        raise SpecConfigError(f"speculative config: no proposer for method {spec.method!r}") from None
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise SpecConfigError(
-            f"speculative config: method {spec.method!r}: cannot load {PROPOSERS[spec.method]} ({e})"
-        ) from None
+    """The proposer for `spec.method` (its registry spec's `proposer`, or a model-free one), built with
+    `from_config(spec, target)`; with `suffix_hybrid`, wrapped with a suffix proposer."""
+    drafter = registry.find(spec.method)
+    if drafter is not None:
+        try:
+            cls = resolve(drafter.proposer)
+        except (ImportError, AttributeError) as e:
+            raise SpecConfigError(f"speculative config: method {spec.method!r}: cannot load {drafter.proposer} "
+                                  f"({e})") from None
+    elif spec.method in MODEL_FREE_PROPOSERS:
+        cls = MODEL_FREE_PROPOSERS[spec.method]
+    else:
+        raise SpecConfigError(f"speculative config: no proposer for method {spec.method!r}")
     proposer = cls.from_config(spec, target)
     if spec.suffix_hybrid is not None:
-        from draftsmith.inference.hybrid import SuffixHybridProposer
-        from draftsmith.inference.suffix import SuffixProposer
-
         proposer = SuffixHybridProposer(proposer, SuffixProposer.from_config(spec), spec.suffix_hybrid["min_score"])
     return proposer

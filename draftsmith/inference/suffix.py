@@ -39,6 +39,10 @@ from torch import Tensor
 
 from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 
+# vLLM's suffix_decoding_* defaults (vllm/config/speculative.py); suffix's num_speculative_tokens defaults to the depth.
+SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
+
 SPEC_FACTOR_EPS = 1e-6  # floor(m * factor) must not lose a whole token to float rounding (1.0 * 3 -> 2.9999)
 
 
@@ -225,8 +229,6 @@ class SuffixProposer:
     @classmethod
     def from_config(cls, spec, target=None) -> "SuffixProposer":
         """From a `SpecConfig`; suffix_decoding_* keys it leaves unset (a hybrid's) take vLLM's defaults."""
-        from draftsmith.inference.spec_config import SUFFIX_DEFAULTS
-
         def setting(key):
             value = getattr(spec, key)
             return SUFFIX_DEFAULTS[key] if value is None else value

@@ -42,6 +42,8 @@ RECIPE_FILE = "recipe.yaml"
 TRAINER_STATE_FILE = "trainer_state.json"
 EVAL_FILE = "eval.json"
 LATEST_FILE = "latest"
+IMPORT_FILE = "import.json"  # what `draftsmith import` records next to an imported checkpoint
+INDEX_FILE = "model.safetensors.index.json"
 CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
 # transformers refuses safetensors files whose "format" is not one of pt/tf/flax/mlx; some versions crash without it.
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -57,6 +59,22 @@ class ExportError(ValueError):
 
 class FormatNotApplicable(ExportError):
     """The checkpoint is sound, but this format's consumer cannot run it (`--format all` skips the format)."""
+
+
+class CheckpointImportError(ValueError):
+    """A source folder that cannot be imported; the message names the file and the reason."""
+
+
+@dataclass
+class ImportedCheckpoint:
+    """What a format's reader (`ExportFormat.read`) hands back: a draftsmith config (with "method") and tensors in
+    draftsmith's names; `draftsmith import` writes them as a checkpoint."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    notes: list[str] = field(default_factory=list)  # what had to be assumed; shown to the user, kept in import.json
+    step: int | None = None
+    num_speculative_tokens: int | None = None  # the source's proposal length, if it recorded one
 
 
 @dataclass
@@ -78,6 +96,16 @@ def draftsmith_version() -> str:
         import draftsmith
 
         return getattr(draftsmith, "__version__", "0+unknown")
+
+
+def human_size(n: int) -> str:
+    """A byte count as people read it: 512 B, 3.2 KiB, 1.5 GiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -173,6 +201,29 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{ckpt / WEIGHTS_FILE}: cannot load: {e}") from None
     return config, tensors
+
+
+def load_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a published folder's `model.safetensors`, or of the shards its index names."""
+    try:
+        if (folder / INDEX_FILE).is_file():
+            index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
+            tensors: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(index["weight_map"].values())):
+                tensors.update(load_file(str(folder / shard), device="cpu"))
+            return tensors
+        if (folder / WEIGHTS_FILE).is_file():
+            return load_file(str(folder / WEIGHTS_FILE), device="cpu")
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointImportError(f"{folder}: cannot load its safetensors weights: {e}") from None
+    raise CheckpointImportError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
+
+
+def provenance_step(public: dict[str, Any]) -> int | None:
+    """The training step an export recorded under its "draftsmith" key, if any."""
+    prov = public.get("draftsmith") if isinstance(public.get("draftsmith"), dict) else {}
+    step = prov.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _umask() -> int:

@@ -1,10 +1,10 @@
 """`draftsmith export CHECKPOINT --format FORMAT --out DIR [--overwrite]`: write a checkpoint in an engine's format.
 
-Formats are a table, format name -> exporter; each exporter takes (checkpoint, out_dir, overwrite=..., dtype=...), checks the
-checkpoint's method itself, validates before writing, writes all or nothing, and returns an `ExportResult`.
-Adding a format means adding a row to EXPORTERS, FORMAT_METHODS and FORMAT_HELP, and an exporter in its drafter's
-folder. `--format all` runs every exporter whose method matches the checkpoint's, each into `DIR/<format>`, all
-of them built in a temporary sibling of DIR that is renamed to DIR once every format is in.
+The formats are those the methods' specs declare (models/registry.py); each exporter takes (checkpoint, out_dir,
+overwrite=..., dtype=..., plus the options its format lists), checks the checkpoint's method itself, validates
+before writing, writes all or nothing, and returns an `ExportResult`. `--format all` runs every format of the
+checkpoint's method, each into `DIR/<format>`, all of them built in a temporary sibling of DIR that is renamed to
+DIR once every format is in.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.models import registry
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
     CheckpointError,
@@ -24,50 +25,36 @@ from draftsmith.models.checkpoint import (
     ExportResult,
     FormatNotApplicable,
     check_output_dir,
+    human_size,
     read_json,
     resolve_checkpoint,
     staged_output_dir,
 )
-from draftsmith.models.dflash.export import export_dflash
-from draftsmith.models.eagle3.export import export_native_eagle3
-from draftsmith.models.eagle3.speculators import export_speculators
-from draftsmith.models.mtp.export import export_mtp
+from draftsmith.models.spec import resolve
 
-Exporter = Callable[..., ExportResult]  # (checkpoint, out_dir, *, overwrite: bool, dtype) -> ExportResult
+Exporter = Callable[..., ExportResult]  # (checkpoint, out_dir, *, overwrite: bool, dtype, **options) -> ExportResult
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
-EXPORTERS: dict[str, Exporter] = {
-    "sglang": export_native_eagle3,  # native EAGLE-3: SGLang, and vLLM with "method": "eagle3"
-    "dflash": export_dflash,  # DFlashDraftModel: vLLM (method dflash) and SGLang (DFLASH)
-    "speculators": export_speculators,  # vllm-project/speculators: `vllm serve DIR`, the speculators package
-    "mtp": export_mtp,  # native MTP layout (vLLM method mtp) when the target has one, else draftsmith's format
-}
-FORMAT_METHODS = {  # format -> the drafter method it exports; `--format all` skips the others
-    "sglang": "eagle3",
-    "dflash": "dflash",
-    "speculators": "eagle3",
-    "mtp": "mtp",
-}
-FORMAT_HELP = {
-    "sglang": "native EAGLE-3 (LlamaForCausalLMEagle3): SGLang, and vLLM with method eagle3",
-    "dflash": "DFlashDraftModel: vLLM with method dflash, SGLang with DFLASH",
-    "speculators": "speculators EAGLE-3 (speculators_config): `vllm serve DIR`, and the speculators package",
-    "mtp": "MTP: the target's native layout (vLLM with method mtp) when it has one, else draftsmith's own format",
-}
 ALL = "all"  # every format that applies to the checkpoint's method, each into DIR/<format>
-# Options only some formats take: format -> the keyword arguments of its exporter they fill.
-FORMAT_OPTIONS = {"speculators": ("verifier",)}
+
+
+def exporter(name: str) -> Exporter:
+    """The export function of format `name` (an `export --format` choice)."""
+    return resolve(registry.formats()[name][1].export)
 
 
 def _options(name: str, options: dict) -> dict:
-    return {k: v for k, v in options.items() if k in FORMAT_OPTIONS.get(name, ()) and v is not None}
+    """The keyword options of `options` that format `name` takes (its spec's `options`), unset ones dropped."""
+    wanted = registry.formats()[name][1].options
+    return {k: v for k, v in options.items() if k in wanted and v is not None}
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path,
                    help="a checkpoint-N folder, or a training output_dir (meaning its latest checkpoint)")
-    p.add_argument("--format", required=True, choices=[*sorted(EXPORTERS), ALL],
-                   help="; ".join(f"{k}: {v}" for k, v in FORMAT_HELP.items())
+    formats = registry.formats()
+    p.add_argument("--format", required=True, choices=[*sorted(formats), ALL],
+                   help="; ".join(f"{name}: {fmt.help}" for name, (_, fmt) in formats.items())
                    + f"; {ALL}: every format for the checkpoint's method, into DIR/<format>")
     p.add_argument("--out", required=True, type=Path, help="folder to write (created; must be empty or absent)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
@@ -78,20 +65,11 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                         "target when it is a Hub id or in the Hub cache; a plain local path is kept, with a warning)")
 
 
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
-
-
 def export_all(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
     dtype: torch.dtype | None = torch.bfloat16, **options,
 ) -> tuple[dict[str, ExportResult], list[str]]:
-    """({format: result}, skipped notes): every format whose FORMAT_METHODS entry matches the checkpoint's method.
+    """({format: result}, skipped notes): every format the checkpoint's method declares (models/registry.py).
 
     The formats are written into one temporary sibling of `out_dir` that becomes `out_dir` once all of them are
     in (staged_output_dir): a refused format, a full disk or a kill leaves no half set under `out_dir`.
@@ -101,22 +79,20 @@ def export_all(
     raw = read_json(ckpt / CONFIG_FILE)
     method = raw.get("method") if isinstance(raw, dict) else None
     check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    skipped = []
-    for name in EXPORTERS:
-        if name not in FORMAT_METHODS:
-            skipped.append(f"{name}: skipped, its drafter method is unknown (add it to FORMAT_METHODS)")
-        elif FORMAT_METHODS[name] != method:
-            skipped.append(f"{name}: skipped, it exports {FORMAT_METHODS[name]} drafters and this is {method}")
-    formats = [name for name in EXPORTERS if FORMAT_METHODS.get(name) == method]
-    if not formats:
-        raise ExportError(f"{ckpt / CONFIG_FILE}: no export format for method {method!r}")
+    spec = registry.find(method) if isinstance(method, str) else None
+    if spec is None:
+        raise ExportError(f"{ckpt / CONFIG_FILE}: no export format for method {method!r} (known methods: "
+                          f"{', '.join(registry.methods())})")
+    formats = [fmt.name for fmt in spec.formats]
+    skipped = [f"{name}: skipped, it exports {other.method} drafters and this is {method}"
+               for name, (other, _) in registry.formats().items() if other is not spec]
 
     results: dict[str, ExportResult] = {}
     with staged_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)):
         for name in formats:
             try:
-                results[name] = EXPORTERS[name](ckpt, out_dir / name, overwrite=overwrite, dtype=dtype,
-                                                **_options(name, options))
+                results[name] = exporter(name)(ckpt, out_dir / name, overwrite=overwrite, dtype=dtype,
+                                               **_options(name, options))
             except FormatNotApplicable as e:
                 skipped.append(f"{name}: skipped: {e}")
             except (CheckpointError, ExportError) as e:
@@ -131,7 +107,7 @@ def _report(result: ExportResult, fmt: str) -> None:
         print(f"draftsmith export: warning: {fmt}: {warning}", file=sys.stderr)
     print(f"wrote {result.out_dir} ({fmt}):")
     for path in result.files:
-        print(f"  {path.name:<20} {_size(path.stat().st_size)}")
+        print(f"  {path.name:<20} {human_size(path.stat().st_size)}")
     for engine, command in result.serve_commands.items():
         print(f"\nserve with {engine}:\n  {command}")
 
@@ -144,8 +120,8 @@ def run_export(args: argparse.Namespace) -> int:
             results, skipped = export_all(args.checkpoint, args.out, overwrite=args.overwrite, dtype=dtype,
                                           **options)
         else:
-            results = {args.format: EXPORTERS[args.format](args.checkpoint, args.out, overwrite=args.overwrite,
-                                                           dtype=dtype, **_options(args.format, options))}
+            results = {args.format: exporter(args.format)(args.checkpoint, args.out, overwrite=args.overwrite,
+                                                          dtype=dtype, **_options(args.format, options))}
             skipped = []
     except (CheckpointError, ExportError) as e:
         print(f"draftsmith export: error: {e}", file=sys.stderr)

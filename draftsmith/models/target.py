@@ -200,7 +200,7 @@ class TargetModel:
         return self.model.model.norm
 
     def default_aux_layer_ids(self) -> list[int]:
-        from draftsmith.models.eagle3.config import default_aux_layer_ids
+        from draftsmith.models.eagle3.section import default_aux_layer_ids
 
         return default_aux_layer_ids(self.num_layers)
 

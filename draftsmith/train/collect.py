@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.config import Recipe, RecipeError
+from draftsmith.config import Recipe, RecipeError, check_recipe_against_target
 
 
 def collect(recipe: Recipe, log=print) -> Path:
@@ -27,7 +27,7 @@ def collect(recipe: Recipe, log=print) -> Path:
         write_index,
     )
     from draftsmith.models.target import TargetModel
-    from draftsmith.train.trainer import _load_tokenizer, _method_class, recipe_store_header
+    from draftsmith.train.trainer import _load_tokenizer, method_class, recipe_store_header, target_config_dict
 
     if not recipe.data.hidden_states_path:
         raise RecipeError("collect needs data.hidden_states_path: the folder to write the hidden-state store into")
@@ -36,12 +36,13 @@ def collect(recipe: Recipe, log=print) -> Path:
     rank, world = state.process_index, state.num_processes
     log = log if state.is_main_process else (lambda *a, **k: None)
     tokenizer = _load_tokenizer(recipe.model.target)
+    check_recipe_against_target(recipe, target_config_dict(recipe.model.target))
     with state.main_process_first():
         data = prepare_dataset(recipe.data, tokenizer, log=log)
     samples = [*data.train, *data.eval]
     target = TargetModel.from_pretrained(recipe.model.target, dtype=recipe.model.dtype, device=state.device,
                                          attn_implementation=recipe.model.attn_implementation)
-    method = _method_class(recipe.model.method)(recipe, target)
+    method = method_class(recipe.model.method)(recipe, target)
     hidden = target.config.hidden_size
     header = recipe_store_header(recipe, tokenizer, target, method, data, recipe.collect.dtype)
     if (folder / INDEX).is_file():

@@ -17,7 +17,6 @@ written; a run whose gradient norm is 0 or whose loss does not move is warned ab
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import shutil
@@ -29,7 +28,16 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith import device as dev
-from draftsmith.config import Recipe, RecipeError, draft_vocab_size_for, load_recipe, recipe_to_dict, save_recipe
+from draftsmith.config import (
+    Recipe,
+    RecipeError,
+    check_recipe_against_target,
+    load_recipe,
+    recipe_to_dict,
+    save_recipe,
+)
+from draftsmith.models import registry
+from draftsmith.models.spec import TrainingMethod, draft_vocab_size_for, resolve
 from draftsmith.train.flops import describe as describe_flops
 from draftsmith.train.health import FeatureCheck, FiniteWatch, StuckWatch
 from draftsmith.train.optim import (
@@ -42,12 +50,6 @@ from draftsmith.train.optim import (
     replan,
 )
 
-# method name -> trainer-facing class ("module:Class"); adding a drafter adds a line here and a folder.
-METHODS = {
-    "eagle3": "draftsmith.models.eagle3.training:Eagle3Method",
-    "dflash": "draftsmith.models.dflash.training:DflashMethod",
-    "mtp": "draftsmith.models.mtp.training:MtpMethod",
-}
 LATEST = "latest"
 STATE_DIR = "training_state"
 WEIGHTS_FILE = "model.safetensors"
@@ -63,11 +65,21 @@ class TrainingError(ValueError):
     """A run that cannot start as configured."""
 
 
-def _method_class(name: str):
-    if name not in METHODS:
-        raise TrainingError(f"model.method '{name}' cannot be trained yet; available: {sorted(METHODS)}")
-    module, cls = METHODS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+def method_class(name: str) -> type[TrainingMethod]:
+    """The class the trainer drives for model.method: its spec's `training` entry point (models/registry.py)."""
+    return resolve(registry.get(name).training)
+
+
+def target_config_dict(target: str) -> dict:
+    """The target's config as a dict (its text part for multimodal targets), read from its config.json alone, for
+    the method's rules that depend on the target; one TrainingError line when it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(f"model.target {target}: cannot read its config.json: {str(e).splitlines()[0]}") from None
+    return config.get_text_config().to_dict()
 
 
 SORT_WINDOW = 64  # token budgets: samples are length-sorted within windows of this many budgets' worth
@@ -426,8 +438,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         for stale in output_dir.glob(".checkpoint-*.tmp"):  # a save killed halfway (kill -9); this run saves later
             shutil.rmtree(stale, ignore_errors=True)
 
-    method_cls = _method_class(recipe.model.method)
+    spec = registry.get(recipe.model.method)
     tokenizer = _load_tokenizer(recipe.model.target)
+    check_recipe_against_target(recipe, target_config_dict(recipe.model.target), str(output_dir / RECIPE_FILE))
     with accelerator.main_process_first():
         data = prepare_dataset(recipe.data, tokenizer, log=log)
     if not data.train:
@@ -442,17 +455,12 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                                              attn_implementation=recipe.model.attn_implementation)
     check_target_weights(target, recipe.model.target)
     check_tokenizer_fits(len(tokenizer), target.vocab_size, recipe.model.target)
-    uses_draft_vocab = recipe.model.method == "eagle3"
-    vocab_size = draft_vocab_size_for(recipe.model, target.vocab_size) if uses_draft_vocab else target.vocab_size
-    if vocab_size > target.vocab_size:
-        raise TrainingError(
-            f"model.draft_vocab_size ({vocab_size}) exceeds the target vocabulary ({target.vocab_size}): set "
-            f"model.draft_vocab_size <= {target.vocab_size}, or null for min(32000, the target's)"
-        )
-    method = method_cls(recipe, target)
-    for note in getattr(method, "notes", []):
+    vocab_size = draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size) if spec.draft_vocab \
+        else target.vocab_size
+    method = method_class(recipe.model.method)(recipe, target)
+    for note in method.notes:
         log(note)
-    if accelerator.num_processes > 1 and hasattr(method, "count_mean"):
+    if accelerator.num_processes > 1:
         method.count_mean = _mean_over_processes  # normalise by the global batch's tokens, not each process's
     stored = _open_store(store_dir, recipe, tokenizer, target, method, data, log) if store_dir else None
     caching = None
@@ -466,7 +474,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     with accelerator.main_process_first():
         d2t, t2d, vocab_path = load_or_build_draft_vocab(
             recipe.data.cache_path(), tokenizer, data.train, target.vocab_size, vocab_size)
-    if uses_draft_vocab:
+    if spec.draft_vocab:
         log(f"draft vocab: {vocab_size} of {target.vocab_size} tokens ({vocab_path})")
     elif recipe.model.draft_vocab_size is not None:
         log(f"model.draft_vocab_size is not used by {recipe.model.method}: it reads out with the target's head")
@@ -737,14 +745,9 @@ def _eval_selector(stored, data):
 
 def _flop_counter(method, lengths: list[int], cfg, device, log, target_runs: bool = True, loss_share: float = 1.0):
     """(`flops_at(seq_len)`: model FLOP per trained token, cached per length, the matrix rate in TFLOP/s that MFU is
-    measured against or None) for methods that count FLOPs, else (None, None); logs the count at the median sample
-    length, term by term, and the rate."""
-    per_token = getattr(method, "flops_per_token", None)
-    if per_token is None:
-        return None, None
-
+    measured against or None); logs the count at the median sample length, term by term, and the rate."""
     def count(seq_len: int) -> dict[str, float]:
-        terms = dict(per_token(seq_len, loss_share))
+        terms = dict(method.flops_per_token(seq_len, loss_share))
         if not target_runs:  # read from a hidden-state store: the target's layers do not run
             terms.pop("target_forward")
             terms["total"] = sum(v for k, v in terms.items() if k != "total")

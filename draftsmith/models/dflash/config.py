@@ -21,37 +21,11 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig
 
+from draftsmith.models.dflash.section import DflashConfigError, default_target_layer_ids
 from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
+from draftsmith.models.spec import capture_from_output, check_layer_ids
 
 METHOD = "dflash"
-# Loss decay per block size from the DFlash paper (methods.md §2.2): w_k = exp(-(k - 1) / gamma).
-PAPER_LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-class DflashConfigError(ValueError):
-    """A DFlash setting that cannot work with this target; the message says which key to change."""
-
-
-def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """`num_features` output-of-layer ids spread evenly from layer 1 to L-3, as z-lab's and SGLang's
-    `build_target_layer_ids` do ([1, 9, 17, 25, 33] for 36-layer Qwen3-8B)."""
-    if num_features == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    ids = [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
-    if end < start or len(set(ids)) < num_features:  # tiny targets (tests): spread over all layers instead
-        last = num_target_layers - 1
-        ids = sorted({int(round(i * last / (num_features - 1))) for i in range(num_features)})
-    if len(ids) < num_features:
-        raise DflashConfigError(
-            f"dflash.num_target_layers={num_features} distinct layers do not exist in a {num_target_layers}-layer "
-            f"target: set dflash.num_target_layers <= {num_target_layers} or list dflash.target_layer_ids"
-        )
-    return ids
-
-
-def default_loss_gamma(block_size: int) -> float:
-    return PAPER_LOSS_GAMMA.get(block_size, block_size / 2)
 
 
 def spare_token_id(tokenizer, vocab_size: int) -> int | None:
@@ -100,15 +74,10 @@ class DflashDrafterConfig:
     method: str = METHOD
 
     def __post_init__(self) -> None:
-        ids = list(self.target_layer_ids)
-        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
-        if bad or not ids:
-            raise DflashConfigError(
-                f"dflash.target_layer_ids {ids}: each id must be in 0..{self.num_target_layers - 1} for this "
-                f"{self.num_target_layers}-layer target (id i = output of layer i)"
-            )
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise DflashConfigError(f"dflash.target_layer_ids {ids}: must be strictly increasing")
+        try:
+            check_layer_ids(self.target_layer_ids, "target_layer_ids", self.num_target_layers, "output")
+        except ValueError as e:
+            raise DflashConfigError(str(e)) from None
         if self.block_size < 2:
             raise DflashConfigError(f"dflash.block_size {self.block_size}: a block needs the anchor and >= 1 mask")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -121,7 +90,7 @@ class DflashDrafterConfig:
     @property
     def aux_layer_ids(self) -> list[int]:
         """Capture ids (DESIGN.md §3) of the target features: output of layer i = capture id i + 1."""
-        return [i + 1 for i in self.target_layer_ids]
+        return capture_from_output(self.target_layer_ids)
 
     @classmethod
     def from_target(

@@ -156,11 +156,12 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], 
 
 
 # ---- validation --------------------------------------------------------------------------------------------
-def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
+def check_block_config(config: dict[str, Any], architecture: str = ARCHITECTURE) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of the config keys a block drafter (DFlash, DSpark) shares with the engines."""
     problems: list[str] = []
     warnings: list[str] = []
-    if config.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"config architectures: {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+    if config.get("architectures") != [architecture]:
+        problems.append(f"config architectures: {config.get('architectures')!r}, expected [{architecture!r}]")
     if config.get("model_type") != MODEL_TYPE:
         problems.append(f"config model_type: {config.get('model_type')!r}, expected {MODEL_TYPE!r}")
     for key in _REQUIRED_INTS:
@@ -206,7 +207,7 @@ def check_dflash_export(
 ) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a `--format dflash` config + tensors (+ mask embedding). Problems make it unloadable
     or wrong in an engine; an empty list means vLLM and SGLang load it."""
-    problems, warnings = _check_config(config)
+    problems, warnings = check_block_config(config)
     sizes_ok = all(is_int(config.get(k)) and config[k] > 0 for k in _REQUIRED_INTS)
     ids = (config.get("dflash_config") or {}).get("target_layer_ids") if isinstance(config.get("dflash_config"),
                                                                                    dict) else None
@@ -245,6 +246,12 @@ def dflash_serve_commands(target: str, draft: str, block_size: int) -> dict[str,
         "SGLang": (f"python -m sglang.launch_server --model {t} --speculative-algorithm DFLASH "
                    f"--speculative-draft-model-path {d} --speculative-num-draft-tokens {block_size}"),
     }
+
+
+def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
+    """The serve commands of an exported folder's config.json (push re-renders its card with them)."""
+    return dflash_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft,
+                                 config["block_size"])
 
 
 def export_dflash(

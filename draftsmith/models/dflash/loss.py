@@ -37,8 +37,10 @@ def teacher_argmax(last_hidden: torch.Tensor, lm_head, chunk_size: int = 1024) -
     return torch.cat(out, dim=1)
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
-    """Random distinct anchors per row, sorted: positions a with loss_mask[a+1] set.
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+                   anchor_in_mask: bool = False):
+    """Random distinct anchors per row, sorted: positions a with loss_mask[a+1] set (and, with `anchor_in_mask`,
+    loss_mask[a] too: DSpark's anchor slot predicts, so DeepSpec takes anchors inside the answer only).
 
     Returns anchor_positions (B, N) int64 and block_valid (B, N) bool, N = min(num_anchors, most candidates in a
     row); rows with fewer candidates are padded with anchor 0 and block_valid False.
@@ -46,6 +48,8 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     b, s = loss_mask.shape
     candidate = torch.zeros(b, s, dtype=torch.bool, device=loss_mask.device)
     candidate[:, :-1] = loss_mask[:, 1:] > 0
+    if anchor_in_mask:
+        candidate &= loss_mask > 0
     counts = candidate.sum(dim=1)  # (B,)
     n = max(1, min(num_anchors, int(counts.max())))
     scores = torch.rand(b, s, generator=generator, device=loss_mask.device if generator is None else "cpu")

@@ -19,21 +19,12 @@ and, bidirectionally, its own B_k slots. Slot k sits at position a + k and predi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.models.dflash.config import DflashConfigError, DflashDrafterConfig
-from draftsmith.models.drafter_config import (
-    DrafterLoadError,
-    load_drafter_weights,
-    load_for_inference,
-    local_folder,
-    read_drafter_config,
-)
+from draftsmith.models.dflash.config import DflashDrafterConfig
 from draftsmith.models.target import KVCache, attend
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
@@ -155,12 +146,14 @@ class DflashDrafter(nn.Module):
             raise ValueError("this drafter embeds masks with the target's row of mask_token_id: pass mask_embed")
         return mask_embed.to(self.fc.weight.dtype)
 
-    def block_inputs(self, anchor_embeds, mask_embed=None):
-        """(B, N, H) anchor embeddings -> (B, N*B_k, H) blocks [anchor, mask, ..., mask]."""
+    def block_inputs(self, anchor_embeds, mask_embed=None, width: int | None = None):
+        """(B, N, H) anchor embeddings -> (B, N*W, H) blocks [anchor, mask, ..., mask] of W slots (default: the
+        trained block size; the runtime may run fewer)."""
         b, n, h = anchor_embeds.shape
-        masks = self.mask_vector(mask_embed).expand(b, n, self.config.block_size - 1, h)
-        blocks = torch.cat([anchor_embeds.to(masks.dtype).unsqueeze(2), masks], dim=2)  # (B, N, B_k, H)
-        return blocks.reshape(b, n * self.config.block_size, h)
+        width = self.config.block_size if width is None else width
+        masks = self.mask_vector(mask_embed).expand(b, n, width - 1, h)
+        blocks = torch.cat([anchor_embeds.to(masks.dtype).unsqueeze(2), masks], dim=2)  # (B, N, W, H)
+        return blocks.reshape(b, n * width, h)
 
     # ---- training: all blocks of a sequence in one pass -------------------------------------------------------
     def forward(self, aux_hidden, anchor_embeds, anchor_positions, mask_embed=None):
@@ -248,46 +241,3 @@ def init_drafter(drafter: DflashDrafter, target_embedding: torch.Tensor, std: fl
             mean, spread = rows.mean(0), rows.std(0)
             noise = torch.randn(rows.shape[1], device=rows.device)
             drafter.mask_embedding.copy_((mean + spread * noise).to(drafter.mask_embedding.dtype))
-
-
-# ---- loading ---------------------------------------------------------------------------------------------------
-def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str, torch.Tensor]]:
-    """Config and tensors (draftsmith names) of a draftsmith DFlash checkpoint or a `--format dflash` export."""
-    from draftsmith.models.dflash.export import config_from_export
-
-    folder = Path(path)
-    raw, config_path, weights_path = read_drafter_config(folder, "DFlash")
-    native = "DFlashDraftModel" in (raw.get("architectures") or [])
-    if raw.get("method") != "dflash" and not native:
-        raise DrafterLoadError(f"{config_path}: not a DFlash drafter (no \"method\": \"dflash\" and architectures "
-                               f"{raw.get('architectures')} are not ['DFlashDraftModel'])")
-    mask_file = folder / MASK_EMBEDDING_FILE
-    try:
-        config = (DflashDrafterConfig.from_dict(raw) if not native
-                  else config_from_export(raw, learned_mask=mask_file.is_file()))
-    except (DflashConfigError, KeyError, TypeError) as e:
-        raise DrafterLoadError(f"{config_path}: {e}") from None
-    tensors = load_drafter_weights(weights_path)
-    if native and mask_file.is_file():
-        tensors["mask_embedding"] = read_mask_embedding(mask_file, raw)
-    return config, tensors
-
-
-def read_mask_embedding(path: Path, config: dict) -> torch.Tensor:
-    """vLLM's `mask_embedding.pt`: a tensor, or {"mask_token_id": id, "embedding": tensor}; returns (H,)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict):
-        want = (config.get("dflash_config") or {}).get("mask_token_id")
-        if state.get("mask_token_id", want) != want:
-            raise DrafterLoadError(f"{path}: mask_token_id {state.get('mask_token_id')} differs from "
-                                   f"dflash_config.mask_token_id {want}")
-        state = state["embedding"]
-    return state.reshape(-1)
-
-
-def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DflashDrafter:
-    """An eval-mode drafter; a draftsmith output_dir means its latest checkpoint."""
-    from draftsmith.models.checkpoint import resolve_checkpoint
-
-    config, tensors = read_drafter_folder(resolve_checkpoint(local_folder(path)))
-    return load_for_inference(DflashDrafter(config), tensors, path, device, dtype, DrafterLoadError)

@@ -3,9 +3,10 @@
 State between calls, per row b: the drafter cache holds the context K/V of positions 0 .. p_b - 1 (every position
 whose target feature the runtime has handed over), and `self.last[b]` is the token at position p_b, the last
 committed one (the target has not run it yet, so it has no feature). `propose(k)` runs the block
-[last, mask x (B_k-1)] at positions p_b .. p_b+B_k-1 and returns slots 1..k: exactly the training layout
-(model.py), whatever k is. The block never claims cache slots, so a rejected draft needs no rollback; `extend`
-appends the features of committed tokens only.
+[last, mask x k] at positions p_b .. p_b+k and returns slots 1..k: the training layout (model.py) cut to the k + 1
+queries vLLM runs (its DFlash proposer queries the anchor and k masks, not the whole trained block; attention
+inside a block is bidirectional, so the width changes the drafts). The block never claims cache slots, so a
+rejected draft needs no rollback; `extend` appends the features of committed tokens only.
 
 Rows of a batch grow independently (`extend` pads each row with PAD_DRAFT_TOKEN past its count). Their lengths
 stay on the device; the host only keeps an upper bound (`self.bound`, the widest row could have grown by every
@@ -20,18 +21,22 @@ import torch
 
 from draftsmith import device as dev
 from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
-from draftsmith.models.dflash.config import DflashConfigError
-from draftsmith.models.dflash.model import DflashDrafter, load_drafter
+from draftsmith.models.dflash.section import DflashConfigError
+from draftsmith.models.dflash.io import load_drafter
+from draftsmith.models.dflash.model import DflashDrafter
 from draftsmith.models.target import KVCache
 
 INITIAL_CACHE_LENGTH = 2048
 
 
 class DflashProposer:
+    name = "DFlash"
+
     def __init__(self, drafter: DflashDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module):
         self.drafter = drafter
         self.embed_tokens, self.lm_head = embed_tokens, lm_head  # the target's, shared
         self.block_size = drafter.config.block_size
+        self.max_drafts = self.block_size - 1  # slot 0 is the anchor
         self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -50,12 +55,17 @@ class DflashProposer:
         cfg = drafter.config
         target.check_drafter_fits(spec.model, "drafter", cfg.vocab_size, cfg.hidden_size, error=DflashConfigError)
         target.check_aux_layer_ids(cfg.aux_layer_ids)
-        if spec.num_speculative_tokens > cfg.block_size - 1:
+        proposer = cls(drafter, target.embed_tokens, target.lm_head)
+        proposer.check_num_tokens(spec.num_speculative_tokens)
+        return proposer
+
+    def check_num_tokens(self, k: int) -> None:
+        """The method's one limit on k: what a trained block drafts."""
+        if k > self.max_drafts:
             raise DflashConfigError(
-                f"speculative config: num_speculative_tokens={spec.num_speculative_tokens} exceeds what one DFlash "
-                f"block of {cfg.block_size} drafts: use num_speculative_tokens <= {cfg.block_size - 1}"
+                f"speculative config: num_speculative_tokens={k} exceeds what one {self.name} block of "
+                f"{self.block_size} drafts: use num_speculative_tokens <= {self.max_drafts}"
             )
-        return cls(drafter, target.embed_tokens, target.lm_head)
 
     def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
         """Drafts are argmax (one-hot), lossless at any temperature: the sampler is not needed."""
@@ -109,19 +119,20 @@ class DflashProposer:
         batch = self.last.shape[0]
         if num_tokens <= 0:
             return Proposal.empty(batch, self.device)
-        if num_tokens > self.block_size - 1:
-            raise ValueError(f"DFlash drafts at most block_size - 1 = {self.block_size - 1} tokens, asked {num_tokens}")
-        self._ensure_capacity(self.bound + self.block_size)
+        if num_tokens > self.max_drafts:
+            raise ValueError(f"{self.name} drafts at most {self.max_drafts} tokens a block, asked {num_tokens}")
+        width = self.block_width(num_tokens)
+        self._ensure_capacity(self.bound + width)
         if self._graphs_on and batch == 1:
             # Attending over the whole cache (masked past the row's length) gives every step the same shapes.
             cache = self.cache
-            scores, token_ids = (t.clone() for t in self._graphs.run(
-                ("block", id(cache)), lambda last, lengths: self._block(last, lengths, cache.max_length),
-                self.last, self.lengths))
+            outputs = self._graphs.run(
+                ("block", num_tokens, id(cache)),
+                lambda last, lengths: self._draft(last, lengths, cache.max_length, num_tokens),
+                self.last, self.lengths)
+            scores, token_ids, lengths = (t.clone() for t in outputs)
         else:
-            scores, token_ids = self._block(self.last, self.lengths, self.bound + self.block_size)
-        scores, token_ids = scores[:, :num_tokens], token_ids[:, :num_tokens]
-        lengths = torch.full((batch,), num_tokens, dtype=torch.long, device=self.device)
+            scores, token_ids, lengths = self._draft(self.last, self.lengths, self.bound + width, num_tokens)
         return Proposal(token_ids=token_ids, lengths=lengths, scores=scores)
 
     def _extend_context(self, cache, aux_hidden, lengths):
@@ -130,11 +141,20 @@ class DflashProposer:
         positions = lengths[:, None] + torch.arange(aux_hidden.shape[1], device=self.device)  # (B, n)
         self.drafter.extend_context(aux_hidden, cache, positions)
 
-    def _block(self, last: torch.Tensor, lengths: torch.Tensor, key_length: int):
-        """Log-probs and argmax (B, B_k-1) of every mask slot of the block [last, mask x (B_k-1)] per row."""
+    def _block_hidden(self, last: torch.Tensor, lengths: torch.Tensor, key_length: int, width: int) -> torch.Tensor:
+        """Final-normed states (B, width, H) of the block [last, mask x (width-1)] at each row's next positions."""
         mask_embed = None
         if not self.drafter.config.learned_mask:
             mask_embed = self.embed_tokens.weight[self.drafter.config.mask_token_id]
-        block = self.drafter.block_inputs(self.embed_tokens(last), mask_embed)  # (B, B_k, H)
-        hidden = self.drafter.draft_block(block, self.cache, lengths, key_length)[:, 1:]  # slots 1..B_k-1
-        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1).max(dim=-1)
+        block = self.drafter.block_inputs(self.embed_tokens(last), mask_embed, width)  # (B, width, H)
+        return self.drafter.draft_block(block, self.cache, lengths, key_length)
+
+    def block_width(self, num_tokens: int) -> int:
+        """Slots run to draft k tokens: the anchor and k masks."""
+        return num_tokens + 1
+
+    def _draft(self, last: torch.Tensor, lengths: torch.Tensor, key_length: int, num_tokens: int):
+        """(log-probs, argmax, lengths) of the k drafts: the mask slots 1..k of a block of k + 1."""
+        hidden = self._block_hidden(last, lengths, key_length, self.block_width(num_tokens))[:, 1:]  # slots 1..k
+        scores, token_ids = torch.log_softmax(self.lm_head(hidden).float(), dim=-1).max(dim=-1)
+        return scores, token_ids, torch.full_like(lengths, num_tokens)

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.models.dflash.config import (
-    DflashConfigError,
-    DflashDrafterConfig,
-    default_loss_gamma,
-    spare_token_id,
-)
+from draftsmith.models.dflash.config import DflashDrafterConfig, spare_token_id
+from draftsmith.models.dflash.section import default_loss_gamma
 from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax, teacher_rows
 from draftsmith.models.dflash.model import DflashDrafter, init_drafter
 from draftsmith.models.target import TargetModel
@@ -32,12 +28,8 @@ class DflashMethod:
 
     def __init__(self, recipe, target: TargetModel):
         section = recipe.dflash
-        if recipe.model.aux_layer_ids is not None:
-            raise DflashConfigError(
-                "model.aux_layer_ids is EAGLE-3's setting; for model.method dflash set dflash.target_layer_ids "
-                "(output-of-layer ids, i.e. capture id - 1) and leave model.aux_layer_ids null"
-            )
         self.target = target
+        self.count_mean = None  # unused: the loss is normalised per process (TrainingMethod)
         learned = section.mask_token_id is None
         mask_id = section.mask_token_id if not learned else _engine_mask_token_id(recipe.model.target,
                                                                                  target.vocab_size)

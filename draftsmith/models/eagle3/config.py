@@ -14,19 +14,12 @@ from typing import Any
 from transformers import LlamaConfig, PretrainedConfig
 
 from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
+from draftsmith.models.eagle3.section import default_aux_layer_ids
+from draftsmith.models.spec import check_layer_ids
 
 METHOD = "eagle3"
 # The forward-pass flags of vLLM's and speculators' EAGLE-3 that draftsmith implements (config.json names).
 FORWARD_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
-
-
-def default_aux_layer_ids(num_target_layers: int) -> list[int]:
-    """EAGLE-3's default capture ids `(2, L//2, L-3)`, the same as vLLM's and the EAGLE reference's."""
-    ids = [2, num_target_layers // 2, num_target_layers - 3]
-    if num_target_layers < 4 or len(set(ids)) != 3:
-        # Tiny targets (tests): spread three distinct ids over the available layers instead.
-        ids = sorted({max(0, num_target_layers // 4), num_target_layers // 2, max(0, num_target_layers - 1)})
-    return ids
 
 
 @dataclass
@@ -73,13 +66,8 @@ class Eagle3Config:
         """A draft layer shaped like one decoder layer of the target, as the EAGLE-3 reference does; `variants` are
         the forward-pass flags (norm_before_fc, fc_norm, norm_before_residual, norm_output)."""
         num_layers = target.num_hidden_layers
-        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers)
-        for i in ids:
-            if not 0 <= i <= num_layers:
-                raise ValueError(
-                    f"model.aux_layer_ids: id {i} is outside 0..{num_layers} for a {num_layers}-layer target "
-                    "(id k = the residual stream entering decoder layer k)"
-                )
+        ids = default_aux_layer_ids(num_layers) if aux_layer_ids is None else \
+            check_layer_ids(aux_layer_ids, "model.aux_layer_ids", num_layers, "capture")
         head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
         return cls(
             hidden_size=target.hidden_size,

@@ -38,7 +38,8 @@ from draftsmith.models.checkpoint import (
     write_export,
 )
 from draftsmith.models.eagle3.config import FORWARD_FLAGS, METHOD, Eagle3Config
-from draftsmith.models.drafter_config import is_int, legacy_rope
+from draftsmith.models.drafter_config import DrafterLoadError, is_int, legacy_rope
+from draftsmith.models.spec import capture_from_output, output_from_capture
 from draftsmith.models.model_card import render_model_card
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's and SGLang's registries (engines.md §1.1, §3)
@@ -86,21 +87,93 @@ _REQUIRED_INTS = (
 )
 
 
-# ---- aux layer id conventions ------------------------------------------------------------------------------
-def capture_to_output_of_layer(ids: list[int]) -> list[int]:
-    """vLLM / draftsmith capture ids -> SGLang's output-of-layer ids (capture k = output of layer k-1)."""
-    bad = [i for i in ids if i < 1]
-    if bad:
-        raise ValueError(
-            f"aux layer id(s) {bad}: capture id 0 is the embedding output, which has no output-of-layer form for "
-            "SGLang; train with ids >= 1"
-        )
-    return [i - 1 for i in ids]
+# ---- reading the layout back ---------------------------------------------------------------------------------
+def eagle3_config_from_native(
+    cfg: dict[str, Any], target_config: dict[str, Any] | None = None
+) -> tuple[Eagle3Config, list[str]]:
+    """(draftsmith config, notes on what had to be assumed) of a Llama-shaped native EAGLE-3 config.
+
+    Aux ids, in order of trust: the top-level capture ids (vLLM), SGLang's nested output-of-layer ids + 1, then
+    the engines' shared default (2, L//2, L-3) when the target's layer count L is known.
+    """
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in cfg]
+    if missing:
+        raise DrafterLoadError(f"native EAGLE-3 config: missing {', '.join(missing)}")
+    notes: list[str] = []
+    prov = cfg.get("draftsmith") if isinstance(cfg.get("draftsmith"), dict) else {}
+    target_config = target_config or {}
+    num_layers = prov.get("num_target_layers") or cfg.get("num_target_layers") or target_config.get("num_hidden_layers")
+    ids = cfg.get(AUX_IDS_KEY)
+    nested = (cfg.get("eagle_config") or {}).get(AUX_IDS_KEY) if isinstance(cfg.get("eagle_config"), dict) else None
+    if not ids and nested:
+        ids = capture_from_output(list(nested))
+        notes.append(f"only SGLang's eagle_config.{AUX_IDS_KEY} {nested} given: read as output-of-layer ids, "
+                     f"capture ids {ids}")
+    if not ids:
+        if not num_layers:
+            raise DrafterLoadError(
+                f"native EAGLE-3 config has no {AUX_IDS_KEY} and the target's layer count is unknown: give the "
+                "target (a local folder or a cached Hub id) so the engines' default aux layers can be used"
+            )
+        ids = [2, num_layers // 2, num_layers - 3]
+        notes.append(f"no aux layer ids in the config: assumed vLLM's and SGLang's default {ids}")
+    if not num_layers:
+        num_layers = max(ids) + 3
+        notes.append(f"the target's layer count is unknown: assumed {num_layers} (last aux id + 3)")
+    max_pos = cfg.get("max_position_embeddings", 4096)
+    target_max = target_config.get("max_position_embeddings")
+    if isinstance(target_max, int) and target_max > max_pos:  # yuhuili's configs ship 2048 for 128k targets
+        notes.append(f"max_position_embeddings raised from {max_pos} to the target's {target_max}")
+        max_pos = target_max
+    rope = cfg.get("rope_parameters") or {
+        **(cfg.get("rope_scaling") or {}),
+        "rope_type": (cfg.get("rope_scaling") or {}).get("rope_type", "default"),
+        "rope_theta": cfg.get("rope_theta", 10000.0),
+    }
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return Eagle3Config(
+        hidden_size=hidden, intermediate_size=cfg["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or hidden // heads,
+        vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size") or hidden,
+        num_target_layers=num_layers, aux_layer_ids=list(ids),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), hidden_act=cfg.get("hidden_act", "silu"),
+        max_position_embeddings=max_pos, rope_parameters=dict(rope),
+        attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+        target_name_or_path=prov.get("target") or prov.get("target_name_or_path") or "",
+        target_architectures=list(prov.get("target_architectures") or target_config.get("architectures") or []),
+        target_model_type=prov.get("target_model_type") or target_config.get("model_type", ""),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+        **forward_flags_of(cfg),
+    ), notes
 
 
-def output_of_layer_to_capture(ids: list[int]) -> list[int]:
-    """SGLang's output-of-layer ids -> vLLM / draftsmith capture ids."""
-    return [i + 1 for i in ids]
+def forward_flags_of(cfg: dict[str, Any]) -> dict[str, bool]:
+    """The forward-pass flags of a native (or flattened speculators) config, read as vLLM's llama_eagle3.py does:
+    `norm_before_fc` from eagle_config first, then the top level; a missing flag is false."""
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    flags = {flag: bool(cfg.get(flag, False)) for flag in FORWARD_FLAGS}
+    flags["norm_before_fc"] = bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)))
+    return flags
+
+
+def tensors_from_native(
+    tensors: dict[str, torch.Tensor], draft_vocab_size: int, vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """draftsmith names of a native state dict (`midlayer.*`, or vLLM's `model.layers.0.*`); the embedding is
+    dropped (draftsmith uses the target's) and a full-vocab drafter without maps gets the identity d2t / t2d."""
+    renamed = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("model.")
+        name = "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+        if name != "embed_tokens.weight":
+            renamed[name] = t
+    if "d2t" not in renamed and "t2d" not in renamed and draft_vocab_size == vocab_size:
+        renamed["d2t"] = torch.zeros(draft_vocab_size, dtype=torch.long)  # draft id i = target id i
+        renamed["t2d"] = torch.ones(vocab_size, dtype=torch.bool)
+    return renamed
+
 
 
 # ---- config ------------------------------------------------------------------------------------------------
@@ -137,7 +210,7 @@ def native_config(config: Eagle3Config, step: int | None = None) -> dict[str, An
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
         AUX_IDS_KEY: capture_ids,
-        "eagle_config": {AUX_IDS_KEY: capture_to_output_of_layer(capture_ids), "use_aux_hidden_state": True},
+        "eagle_config": {AUX_IDS_KEY: output_from_capture(capture_ids), "use_aux_hidden_state": True},
         "draftsmith": {
             "version": draftsmith_version(),
             "method": METHOD,
@@ -253,7 +326,7 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     if eagle.get("use_aux_hidden_state") is not True:
         problems.append("config eagle_config.use_aux_hidden_state: must be true (false makes the engines skip fc)")
     try:
-        want = capture_to_output_of_layer(ids)
+        want = output_from_capture(ids)
     except ValueError as e:
         problems.append(f"config {AUX_IDS_KEY}: {e}")
         return problems, warnings
@@ -355,6 +428,11 @@ def eagle3_serve_commands(
             f"--speculative-num-draft-tokens {k + 1}"
         ),
     }
+
+
+def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
+    """The serve commands of an exported native folder's config.json (push re-renders its card with them)."""
+    return eagle3_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft)
 
 
 def export_native_eagle3(

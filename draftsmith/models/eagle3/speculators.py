@@ -37,6 +37,7 @@ import torch
 
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
+    IMPORT_FILE,
     WEIGHTS_FILE,
     CheckpointError,
     ExportError,
@@ -56,10 +57,10 @@ from draftsmith.models.eagle3.export import (
     NATIVE_KEY_MAP,
     NUM_SPECULATIVE_TOKENS,
     check_state_dict,
+    eagle3_config_from_native,
     eagle3_serve_commands,
     expected_native_shapes,
 )
-from draftsmith.models.importer import IMPORT_FILE
 from draftsmith.models.drafter_config import is_int, legacy_rope
 from draftsmith.models.model_card import looks_like_hub_id, render_model_card
 
@@ -385,8 +386,6 @@ def eagle3_config_from_speculators(
     Flattened the way vLLM reads it (`flat_view`), the config is a native one, with the target named by the
     verifier; `target_config` (the target's config.json, when found) supplies what a third-party config may lack.
     """
-    from draftsmith.models.eagle3.io import eagle3_config_from_native
-
     if config.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
         raise SpeculatorsFormatError(f"speculators_model_type {config.get('speculators_model_type')!r} is not "
                                      "'eagle3'; draftsmith reads only EAGLE-3 speculators checkpoints")
@@ -450,6 +449,13 @@ def speculators_serve_commands(
             f"{shlex.quote(native_dir)} && " + native["SGLang"]
         )
     return commands
+
+
+def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
+    """The serve commands of an exported speculators folder's config.json (push re-renders its card with them)."""
+    spec = config["speculators_config"]
+    return speculators_serve_commands(spec["verifier"]["name_or_path"], draft,
+                                      spec["proposal_methods"][0]["speculative_tokens"])
 
 
 def _num_speculative_tokens(eval_result: Any, ckpt: Path) -> int:

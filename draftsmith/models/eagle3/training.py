@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.config import draft_vocab_size_for
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets
 from draftsmith.models.eagle3.model import Eagle3Drafter, init_drafter_from_target
+from draftsmith.models.spec import draft_vocab_size_for
 from draftsmith.models.target import TargetModel
 from draftsmith.train.flops import eagle3_flops_per_token
 
@@ -27,7 +27,7 @@ class Eagle3Method:
         self.checkpoint_steps = training.checkpoint_ttt_steps
         self.compile_steps = training.compile_drafter
         self.config = Eagle3Config.from_target(
-            target.config, draft_vocab_size_for(recipe.model, target.vocab_size), recipe.model.aux_layer_ids,
+            target.config, draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size), recipe.model.aux_layer_ids,
             target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
         )
         self.draft_vocab_size = self.config.draft_vocab_size

@@ -17,6 +17,7 @@ class MtpMethod:
 
     def __init__(self, recipe, target: TargetModel):
         self.target = target
+        self.count_mean = None  # unused: the loss is normalised per process (TrainingMethod)
         mtp = recipe.mtp
         self.num_depths = mtp.num_depths
         self.decay = mtp.depth_decay
@@ -27,10 +28,6 @@ class MtpMethod:
         self.aux_layer_ids = [target.num_layers]
         self.draft_vocab_size = None  # MTP reads out with the target's whole head
         self.notes: list[str] = []
-        ids = recipe.model.aux_layer_ids
-        if ids is not None and list(ids) != self.aux_layer_ids:
-            raise ValueError(f"model.aux_layer_ids {ids}: MTP always reads the target's final-normed last hidden "
-                             f"state (capture id {target.num_layers}, normed); set model.aux_layer_ids to null")
         self.native: NativeMtp | None = find_native_mtp(recipe.model.target, target.config)
         layout = self.native.layout if self.native is not None else None
         if self.native is not None and mtp.init_from_native and self.native.num_modules != mtp.num_modules:

@@ -1,0 +1,192 @@
+"""Export a DSpark checkpoint as `--format dspark`: the `Qwen3DSparkModel` layout vLLM (`method: dspark`,
+qwen3_dspark.py) and SGLang (`--speculative-algorithm DSPARK`, models/dspark.py) both load.
+
+DFlash's Qwen3-shaped config (models/dflash/export.py) with architecture `Qwen3DSparkModel` and, at the top level
+where both engines read them (vLLM reads `markov_rank` nowhere else, SGLang never in `dflash_config`):
+`markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`, `mask_token_id`,
+`target_layer_ids` (output-of-layer ids, both engines capture i + 1) and `sample_from_anchor: true`, the slot
+convention (config.py): vLLM reads it at the top level only (inside `dflash_config` its DFlash parent refuses it),
+and SGLang assumes it for every checkpoint but a speculators one. `dflash_config` repeats the layer ids and the
+mask token for readers that look there first. Tensors: DFlash's, plus `markov_head.markov_w1.weight` (V, r),
+`markov_head.markov_w2.weight` (V, r), `markov_head.gate_proj.*` (gated head) and `confidence_head.proj.*`; no
+embedding or head (both engines share the target's). vLLM 0.32 builds only the vanilla Markov head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.models.checkpoint import (
+    ExportResult,
+    ExportError,
+    check_output_dir,
+    config_for_export,
+    load_checkpoint,
+    read_card_inputs,
+    resolve_checkpoint,
+    write_export,
+)
+from draftsmith.models.dflash.export import AUX_IDS_KEY, check_block_config, expected_shapes, export_config
+from draftsmith.models.drafter_config import is_int
+from draftsmith.models.dspark.config import METHOD, SLOT_CONVENTION, DsparkDrafterConfig
+from draftsmith.models.model_card import render_model_card
+
+ARCHITECTURE = "Qwen3DSparkModel"  # vLLM: qwen3_dspark.Qwen3DSparkForCausalLM; SGLang: models/dspark.py EntryClass
+TAGS = ["speculative-decoding", "dspark", "draftsmith", "vllm", "sglang"]
+VLLM_MARKOV_HEADS = ("vanilla",)  # Qwen3DSparkModel in vLLM 0.32.0 builds no gate
+
+
+def dspark_export_config(config: DsparkDrafterConfig, step: int | None = None) -> dict[str, Any]:
+    """The `config.json` both engines read (module docstring)."""
+    out = export_config(config, step=step)
+    out["architectures"] = [ARCHITECTURE]
+    out.update({
+        "target_layer_ids": list(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        "markov_rank": config.markov_rank,
+        "markov_head_type": config.markov_head,
+        "enable_confidence_head": config.confidence_head,
+        "confidence_head_with_markov": config.confidence_head,
+        "sample_from_anchor": True,
+    })
+    out["draftsmith"].update({
+        "method": METHOD,
+        "slot_convention": SLOT_CONVENTION,
+        "slot_convention_note": "block [anchor, mask x (B-1)] at positions a..a+B-1; slot k predicts the token at "
+                                "a+k+1 (DeepSpec's, vLLM's and SGLang's sample_from_anchor)",
+    })
+    del out["draftsmith"]["learned_mask_embedding"]
+    return out
+
+
+def expected_dspark_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Export tensor name -> (shape, how it follows from the config): DFlash's plus the two heads."""
+    shapes = expected_shapes(config)
+    h, v, r = config["hidden_size"], config["vocab_size"], config["markov_rank"]
+    shapes["markov_head.markov_w1.weight"] = ((v, r), "(vocab_size, markov_rank)")
+    shapes["markov_head.markov_w2.weight"] = ((v, r), "(vocab_size, markov_rank)")
+    if config.get("markov_head_type") == "gated":
+        shapes["markov_head.gate_proj.weight"] = ((r, h + r), "(markov_rank, hidden_size + markov_rank)")
+        shapes["markov_head.gate_proj.bias"] = ((r,), "(markov_rank,)")
+    if config.get("enable_confidence_head"):
+        shapes["confidence_head.proj.weight"] = ((1, h + r), "(1, hidden_size + markov_rank)")
+        shapes["confidence_head.proj.bias"] = ((1,), "(1,)")
+    return shapes
+
+
+def check_dspark_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of a `--format dspark` config + tensors; no problem means vLLM and SGLang load it."""
+    problems, warnings = check_block_config(config, ARCHITECTURE)
+    rank, head = config.get("markov_rank"), config.get("markov_head_type")
+    if not is_int(rank) or rank < 1:
+        problems.append(f"config markov_rank: {rank!r}, expected a positive integer at the top level (vLLM reads it "
+                        "nowhere else)")
+    if head not in ("vanilla", "gated"):
+        problems.append(f"config markov_head_type: {head!r}, expected 'vanilla' or 'gated'")
+    elif head not in VLLM_MARKOV_HEADS:
+        warnings.append(f"markov_head_type {head!r}: SGLang serves it, vLLM 0.32 builds only the vanilla head")
+    if config.get("sample_from_anchor") is not True:
+        problems.append("config sample_from_anchor: must be true at the top level (draftsmith's slots predict the "
+                        "token after their own position; vLLM reads a missing key as true, its speculators path as "
+                        "false)")
+    if "sample_from_anchor" in (config.get("dflash_config") or {}):
+        problems.append("config dflash_config.sample_from_anchor: vLLM's DFlash reader refuses it there; keep it at "
+                        "the top level only")
+    if "speculators_model_type" in config:
+        problems.append("config speculators_model_type: SGLang refuses any DSpark config that has it")
+    if config.get("enable_confidence_head") and config.get("confidence_head_with_markov") is not True:
+        problems.append("config confidence_head_with_markov: must be true (the head reads [h; markov_w1[x]]); vLLM "
+                        "reads a missing key as false and would size the head without the Markov input")
+    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    for key in ("target_layer_ids", "mask_token_id"):
+        if config.get(key) != dflash.get(key):
+            problems.append(f"config {key}: {config.get(key)!r} at the top level, {dflash.get(key)!r} in "
+                            "dflash_config: engines read one or the other, so they must agree")
+    sizes_ok = all(is_int(config.get(k)) and config[k] > 0 for k in
+                   ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "vocab_size", "num_hidden_layers")) and is_int(rank) and isinstance(dflash.get("target_layer_ids"),
+                                                                                         list)
+    if not sizes_ok:
+        return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
+    expected = expected_dspark_shapes(config)
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (engines would refuse or ignore them): {', '.join(unexpected)}")
+    for name in sorted(set(expected) & set(tensors)):
+        shape, why = expected[name]
+        if tuple(tensors[name].shape) != shape:
+            problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
+        if not tensors[name].is_floating_point():
+            problems.append(f"{name}: dtype {tensors[name].dtype}, expected a floating-point weight")
+    return problems, warnings
+
+
+def dspark_serve_commands(target: str, draft: str, block_size: int) -> dict[str, str]:
+    """Commands that serve `target` with this drafter at its full block (k = block_size drafts)."""
+    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": block_size}, separators=(",", ":"))
+    t, d = shlex.quote(target), shlex.quote(draft)
+    return {
+        "vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}",
+        "SGLang": (f"python -m sglang.launch_server --model {t} --speculative-algorithm DSPARK "
+                   f"--speculative-draft-model-path {d} --speculative-num-draft-tokens {block_size + 1}"),
+    }
+
+
+def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
+    """The serve commands of an exported folder's config.json (push re-renders its card with them)."""
+    return dspark_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft,
+                                 config["block_size"])
+
+
+def export_dspark(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                  dtype: torch.dtype | None = torch.bfloat16) -> ExportResult:
+    """Build, validate and write config.json + model.safetensors + README.md, all or nothing; floating-point
+    weights in `dtype` (bf16 by default), None keeps the fp32 master weights."""
+    out_dir = Path(out_dir)
+    ckpt = resolve_checkpoint(checkpoint)
+    check_output_dir(out_dir, overwrite, keep=(ckpt,))
+    raw, state = load_checkpoint(ckpt)
+    cfg = config_for_export(ckpt, raw, DsparkDrafterConfig, METHOD, "dspark")
+    notes = read_card_inputs(ckpt)
+    config = dspark_export_config(cfg, step=notes.step)
+    tensors = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in state.items()}
+    problems, warnings = check_dspark_export(config, tensors)
+    if problems:
+        raise ExportError(f"{ckpt}: refusing to export as dspark: " + "; ".join(problems))
+    warnings += notes.warnings
+    target = cfg.target_name_or_path or "TARGET"
+    commands = dspark_serve_commands(target, str(out_dir), cfg.block_size)
+    card = render_model_card(
+        target=target,
+        method="DSpark",
+        tags=TAGS,
+        summary={
+            "architecture": ARCHITECTURE,
+            "draft layers": cfg.num_hidden_layers,
+            "block_size": f"{cfg.block_size} (drafts up to {cfg.block_size} tokens per step: every slot predicts)",
+            "slot convention": "sample_from_anchor: slot k predicts the token after anchor + k",
+            "Markov head": f"{cfg.markov_head}, rank {cfg.markov_rank}",
+            "confidence head": "yes (draftsmith's confidence_threshold; vLLM's enable_adaptive_verification)"
+                               if cfg.confidence_head else "no",
+            "mask": f"the target's embedding of token id {cfg.mask_token_id}",
+            "training step": notes.step if notes.step is not None else "unknown",
+        },
+        aux_layer_ids=[
+            ("output of layer i (vLLM and SGLang add 1)", "target_layer_ids", config["target_layer_ids"]),
+            ("capture: residual entering layer k = HF `output_hidden_states[k]`", AUX_IDS_KEY, config[AUX_IDS_KEY]),
+        ],
+        serve_commands=commands,
+        recipe_text=notes.recipe_text,
+        eval_result=notes.eval_result,
+        version=config["draftsmith"]["version"],
+    )
+    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
+                        serve_commands=commands)

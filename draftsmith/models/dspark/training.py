@@ -1,0 +1,81 @@
+"""What the trainer needs from DSpark (models/spec.py TrainingMethod): build the drafter, compute its loss."""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.models.dflash.config import spare_token_id
+from draftsmith.models.dflash.loss import sample_anchors
+from draftsmith.models.dflash.model import init_drafter
+from draftsmith.models.dflash.section import DflashConfigError
+from draftsmith.models.dspark.config import DsparkDrafterConfig
+from draftsmith.models.dspark.loss import block_targets, dspark_loss
+from draftsmith.models.dspark.model import DsparkDrafter, init_heads
+from draftsmith.models.target import TargetModel, load_target_tokenizer
+from draftsmith.train.flops import dspark_flops_per_token
+
+
+class DsparkMethod:
+    name = "dspark"
+
+    def __init__(self, recipe, target: TargetModel):
+        section = recipe.dspark
+        self.target = target
+        self.count_mean = None  # unused: the loss is normalised per process (TrainingMethod)
+        mask_id = section.mask_token_id
+        if mask_id is None:
+            tokenizer = load_target_tokenizer(recipe.model.target, "model.target", DflashConfigError)
+            mask_id = spare_token_id(tokenizer, target.vocab_size)
+            if mask_id is None:
+                raise DflashConfigError(f"{recipe.model.target}: the tokenizer uses every token id and has no "
+                                        "reserved or pad token to mark mask slots with: set dspark.mask_token_id")
+            self.notes = [f"dspark: mask slots take the target's embedding row of spare token id {mask_id} "
+                          "(dspark.mask_token_id null)"]
+        else:
+            self.notes = [f"dspark: mask slots take the target's embedding row of token {mask_id}"]
+        self.config = DsparkDrafterConfig.from_target(
+            target.config, num_layers=section.num_layers, block_size=section.block_size,
+            target_layer_ids=section.target_layer_ids, num_features=section.num_target_layers,
+            mask_token_id=mask_id, target_name_or_path=recipe.model.target, markov_rank=section.markov_rank,
+            markov_head=section.markov_head, confidence_head=section.confidence_head,
+        )
+        self.aux_layer_ids = self.config.aux_layer_ids
+        self.num_anchors = section.anchors_per_sequence
+        self.checkpoint_layers = section.checkpoint_layers
+        self.loss_options = dict(ce_weight=section.ce_weight, l1_weight=section.l1_weight,
+                                 confidence_weight=section.confidence_weight if section.confidence_head else 0.0,
+                                 gamma=section.loss_gamma, chunk_size=recipe.training.loss_chunk_size,
+                                 loss_grad=recipe.training.loss_grad)
+
+    def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
+        """FLOP per trained token at this length, by term (train/flops.py); blocks anchor only inside the answers,
+        `loss_share` of the positions."""
+        anchors = min(self.num_anchors, max(1, round((seq_len - 1) * loss_share)))
+        return dspark_flops_per_token(self.target.config, self.config, seq_len, anchors)
+
+    def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> DsparkDrafter:
+        """An fp32 drafter (master weights). d2t/t2d are unused: DSpark reads out with the target's full head."""
+        drafter = DsparkDrafter(self.config).to(self.target.device)
+        drafter.checkpoint_layers = self.checkpoint_layers
+        init_drafter(drafter, self.target.embed_tokens.weight)
+        init_heads(drafter)
+        return drafter
+
+    def loss(self, drafter, batch: dict[str, torch.Tensor]):
+        """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        captured = self.target.capture(input_ids, batch["attention_mask"], self.aux_layer_ids)
+        anchors, block_valid = sample_anchors(loss_mask, self.num_anchors, anchor_in_mask=True)  # (B, N)
+        with torch.no_grad():
+            embed = self.target.embed_tokens
+            anchor_embeds = embed(input_ids.gather(1, anchors))  # (B, N, H) frozen
+            mask_embed = embed.weight[self.config.mask_token_id]
+        hidden = drafter(captured.aux_hidden, anchor_embeds, anchors, mask_embed)  # (B, N, B_k, H)
+        labels, prev_ids, teacher_at, valid = block_targets(input_ids, loss_mask, anchors, block_valid,
+                                                            self.config.block_size)
+        b, s, h = captured.last_hidden.shape
+        rows = teacher_at + torch.arange(b, device=teacher_at.device)[:, None, None] * s
+        teacher_hidden = captured.last_hidden.reshape(b * s, h)[rows[valid]]  # (M, H)
+        model = getattr(drafter, "module", drafter)
+        return dspark_loss(hidden, self.target.lm_head.weight, model.markov_head, model.confidence_head, labels,
+                           prev_ids, valid, teacher_hidden, **self.loss_options)
