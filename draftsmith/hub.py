@@ -29,7 +29,12 @@ from draftsmith.models.model_card import replace_serving_section
 from draftsmith.models.spec import resolve
 
 CARD_FILE = "README.md"
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A model repo id as the Hub accepts it. huggingface_hub's validate_repo_id (utils/_validators.py, which mirrors the
+# Hub's own rules in moon-landing's Names.ts) allows: each of NAMESPACE and NAME 1 to 96 characters of
+# [A-Za-z0-9_.-], neither starting nor ending with '-' or '.', no '--' or '..', not ending in '.git'. It also takes a
+# bare NAME (the caller's own namespace); push names the ORG explicitly, so the card's serve commands are right.
+REPO_NAME_MAX = 96
+_REPO_PART = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class PushError(ValueError):
@@ -54,6 +59,39 @@ def _served_target(config: dict[str, Any]) -> str:
 
 
 # ---- planning (no network) ---------------------------------------------------------------------------------
+def _repo_id_problem(repo_id: str) -> str | None:
+    """Why the Hub would refuse `repo_id` (the rules above), or None."""
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts):
+        return "expected ORG/NAME"
+    for part in parts:
+        if not _REPO_PART.fullmatch(part):
+            return f"{part!r} may hold only letters, digits, '-', '_' and '.'"
+        if len(part) > REPO_NAME_MAX:
+            return f"{part[:12]!r}... is {len(part)} characters; the Hub allows at most {REPO_NAME_MAX}"
+        if part[0] in "-." or part[-1] in "-.":
+            return f"{part!r} may not start or end with '-' or '.'"
+    if "--" in repo_id or ".." in repo_id:
+        return "'--' and '..' are not allowed"
+    if repo_id.endswith(".git"):
+        return "may not end in '.git'"
+    return None
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse, before any file is read, a repo id the Hub would refuse only once the upload starts."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    problem = _repo_id_problem(repo_id or "")
+    if problem is None:
+        try:
+            validate_repo_id(repo_id)  # whatever rule a newer huggingface_hub adds
+        except HFValidationError as e:
+            problem = str(e)
+    if problem is not None:
+        raise PushError(f"--repo-id {repo_id!r}: {problem}")
+
+
 def _uploadable(folder: Path) -> list[Path]:
     """Regular files under `folder`, minus hidden ones and leftovers of interrupted atomic writes."""
     files = []
@@ -69,8 +107,7 @@ def _uploadable(folder: Path) -> list[Path]:
 def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
     """Check the folder and build the exact upload; raises PushError with the reason."""
     folder = Path(folder)
-    if not _REPO_ID.fullmatch(repo_id or ""):
-        raise PushError(f"--repo-id {repo_id!r}: expected ORG/NAME (letters, digits, '-', '_', '.')")
+    check_repo_id(repo_id)
     if not folder.is_dir():
         raise PushError(f"{folder}: no such folder; push the --out folder of `draftsmith export`")
     if not (folder / CONFIG_FILE).is_file():

@@ -193,3 +193,28 @@ def test_bad_folders_and_ids_are_refused_without_network(hub, export_dir, tmp_pa
     err = capsys.readouterr().err
     assert "refusing to push" in err and "norm_before_residual" in err
     assert hub.requests == []
+
+
+@pytest.mark.parametrize(("repo_id", "reason"), [
+    ("org/na--me..git", "'--' and '..' are not allowed"),
+    ("org/name.git", "may not end in '.git'"),
+    ("org/" + "n" * 97, "is 97 characters; the Hub allows at most 96"),
+    ("o" * 97 + "/name", "is 97 characters; the Hub allows at most 96"),
+    ("org/-name", "may not start or end with '-' or '.'"),
+    ("org/name.", "may not start or end with '-' or '.'"),
+    ("org/caf\u00e9", "may hold only letters, digits"),
+    ("org/a/b", "expected ORG/NAME"),
+    ("org/", "expected ORG/NAME"),
+])
+def test_dry_run_refuses_repo_ids_the_hub_refuses(hub, export_dir, capsys, repo_id, reason):
+    """huggingface_hub's validate_repo_id rules (the Hub's own): checked before a dry run says all is well."""
+    assert _push(str(export_dir), "--repo-id", repo_id, "--dry-run") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--repo-id {repo_id!r}: " in err and reason in err
+    assert hub.requests == []
+
+
+def test_the_longest_name_the_hub_takes_is_accepted(hub, export_dir, capsys):
+    repo_id = "org-1/" + "n" * 95 + "2"
+    assert _push(str(export_dir), "--repo-id", repo_id, "--dry-run") == 0
+    assert f"to {repo_id}@main" in capsys.readouterr().out
