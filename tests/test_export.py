@@ -10,10 +10,11 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.checkpoint import (
     CheckpointError,
+    absolute_target,
     ExportError,
     load_checkpoint,
     resolve_checkpoint,
@@ -30,7 +31,7 @@ from draftsmith.models.eagle3.export import (
     native_config,
     validate_native_eagle3,
 )
-from draftsmith.models.export import add_export_args, run_export
+from draftsmith.models.export import add_export_args, exporter, run_export
 
 TARGET = "meta-llama/Llama-3.1-8B-Instruct"
 DRAFT_VOCAB = 32
@@ -411,6 +412,69 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatc
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+# What safetensors 0.8 raises when the disk fills (its Rust io::Error text inside a SafetensorError; no errno).
+SAFETENSORS_WRITE_ERRORS = {
+    "ENOSPC": "Error while serializing: I/O error: No space left on device (os error 28)",
+    "EDQUOT": "Error while serializing: I/O error: Disk quota exceeded (os error 122)",
+}
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "all"])
+@pytest.mark.parametrize("errno_name", sorted(SAFETENSORS_WRITE_ERRORS))
+def test_safetensors_full_disk_error_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, fmt, errno_name):
+    """safetensors' own full-disk error once escaped as a 28-line SafetensorError traceback."""
+    from safetensors import SafetensorError
+
+    from draftsmith.models import checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "run", tiny_eagle3_config())
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")  # what was written before the disk filled
+        raise SafetensorError(SAFETENSORS_WRITE_ERRORS[errno_name])
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    out = tmp_path / "out"
+    assert run_export(_cli(str(ckpt), "--format", fmt, "--out", str(out))) == 2
+    err = capsys.readouterr().err
+    weights = out / "sglang" / "model.safetensors" if fmt == "all" else out / "model.safetensors"
+    assert err.count("\n") == 1 and f"{weights}: disk full (no space left on device)" in err and "free space" in err
+    assert "Traceback" not in err and "SafetensorError" not in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_safetensors_full_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
+    """Training's save_checkpoint tells a full disk by the OSError's errno; safetensors' error carries none."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from draftsmith.models import checkpoint
+
+    def disk_full(tensors, filename, metadata=None):
+        raise SafetensorError(SAFETENSORS_WRITE_ERRORS["ENOSPC"])
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(OSError) as raised:
+        save_safetensors_atomic({"a": torch.zeros(2)}, tmp_path / "m.safetensors")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "m.safetensors")
+    assert checkpoint.is_disk_full(raised.value) and list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_errors_that_are_not_io_stay_as_they_are(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from draftsmith.models import checkpoint
+
+    def refused(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: Misaligned slice")
+
+    monkeypatch.setattr(checkpoint, "save_file", refused)
+    with pytest.raises(SafetensorError, match="Misaligned slice"):
+        save_safetensors_atomic({"a": torch.zeros(2)}, tmp_path / "m.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 KILLED_MID_WRITE = """
 import os, signal, sys
 from draftsmith.models import checkpoint
@@ -497,3 +561,44 @@ def test_only_stale_temporaries_of_this_folder_are_removed(tmp_path):
     assert sorted(p.name for p in removed) == sorted([names["dead"], names["legacy"]])
     assert (out / "config.json").is_file()  # the .old- folder of a replace killed halfway is the export again
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", names["live"], names["other"]])
+
+
+# ---- a local target named from anywhere (issue 25, item 18e) ----------------------------------------------------
+def test_a_relative_local_target_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    """Serve commands, cards and configs once carried model.target as typed ("models/target"), which names the
+    target only from the directory training ran in."""
+    from test_dflash import make_checkpoint as make_dflash_checkpoint
+    from test_dflash import tiny_config as tiny_dflash_config
+    from test_dflash import tiny_drafter as tiny_dflash_drafter
+
+    cfg = tiny_eagle3_config()
+    target_dir = tmp_path / "models" / "target"
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+                     ).save_pretrained(target_dir)
+    monkeypatch.chdir(tmp_path)
+    typed = "models/target"
+    cfg.target_name_or_path, cfg.target_architectures = typed, ["LlamaForCausalLM"]
+    dflash_cfg = tiny_dflash_config(learned_mask=False)
+    dflash_cfg.target_name_or_path = typed
+    checkpoints = {"eagle3": make_checkpoint(tmp_path / "run", cfg),
+                   "dflash": make_dflash_checkpoint(tmp_path / "run-dflash", tiny_dflash_drafter(dflash_cfg))}
+
+    for fmt, method in (("sglang", "eagle3"), ("speculators", "eagle3"), ("dflash", "dflash")):
+        result = exporter(fmt)(checkpoints[method], tmp_path / fmt)
+        card = (result.out_dir / "README.md").read_text()
+        config = json.loads((result.out_dir / "config.json").read_text())
+        commands = "\n".join(result.serve_commands.values())
+        named = [card, commands, json.dumps(config)]
+        assert all(str(target_dir) in text for text in named), fmt
+        assert not any(typed in text.replace(str(target_dir), "") for text in named), fmt
+        assert config["draftsmith"]["target"] == str(target_dir)
+
+
+def test_a_hub_id_or_an_unknown_path_is_left_as_typed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").mkdir()
+    assert absolute_target("here") == str(tmp_path / "here")
+    assert absolute_target(TARGET) == TARGET
+    assert absolute_target("gone/target") == "gone/target"  # nothing here to resolve it against
+    assert absolute_target(str(tmp_path / "here")) == str(tmp_path / "here")

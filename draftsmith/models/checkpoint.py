@@ -276,13 +276,31 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: Path | str) -> None
                           "export an earlier checkpoint-N or retrain with a lower training.lr")
 
 
+# safetensors reports a failed write as SafetensorError("Error while serializing: I/O error: No space left on device
+# (os error 28)"), Rust's io::Error text; its "(os error N)" is the only trace of the errno that tells a full disk.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with a failed write raised as the OSError it was (so is_disk_full sees ENOSPC)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        found = _RUST_OS_ERROR.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def save_safetensors_atomic(
     tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> None:
-    """Save with {"format": "pt"} metadata (plus `metadata`, str -> str); tensors are made contiguous on CPU."""
+    """Save with {"format": "pt"} metadata (plus `metadata`, str -> str); tensors are made contiguous on CPU. A
+    failed write is an OSError naming `path`."""
     meta = {**SAFETENSORS_METADATA, **(metadata or {})}
     flat = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    replace_atomically(Path(path), lambda tmp: save_file(flat, str(tmp), metadata=meta))
+    replace_atomically(Path(path), lambda tmp: _save_file(flat, tmp, meta))
 
 
 def write_text_atomic(text: str, path: str | os.PathLike) -> None:
@@ -433,17 +451,29 @@ def staged_output_dir(
             _STAGING.reset(token)
 
 
+def absolute_target(target: str) -> str:
+    """The target as an export records it: a relative path to a local folder (the recipe's model.target as typed)
+    made absolute, so the serve commands, the model card and the config that name it work from any directory; a
+    Hub id, an absolute path, or a path not found from here (nothing to resolve it against) as it is."""
+    if not target or Path(target).is_absolute() or not Path(target).exists():
+        return target
+    return os.path.abspath(target)
+
+
 def config_for_export(ckpt: Path, raw: dict[str, Any], config_cls, method: str, format_name: str):
-    """The drafter config (`config_cls.from_dict`) of a checkpoint being exported as `format_name`; an ExportError
-    naming its config.json when the checkpoint is of another method or its config does not parse."""
+    """The drafter config (`config_cls.from_dict`) of a checkpoint being exported as `format_name`, its target
+    through `absolute_target`; an ExportError naming its config.json when the checkpoint is of another method or
+    its config does not parse."""
     where = ckpt / CONFIG_FILE
     if raw.get("method") != method:
         raise ExportError(f"{where}: method {raw.get('method')!r} cannot be exported as {format_name} "
                           f"(needs {method!r})")
     try:
-        return config_cls.from_dict(raw)
+        config = config_cls.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise ExportError(f"{where}: {e}") from None
+    config.target_name_or_path = absolute_target(config.target_name_or_path)  # every exporter takes it from here
+    return config
 
 
 def write_export(out_dir: Path, ckpt: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], card: str, *,
