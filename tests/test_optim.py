@@ -60,38 +60,72 @@ def test_replan_refits_the_decay_to_the_deadline_and_keeps_the_warmup():
 
 
 class FakeClock:
-    """time.time() for the trainer: every call advances half a second, so step times are a pure function of
-    the code path and the plan is reproducible."""
+    """time.time() for the trainer: it stands still except while the drafter computes a loss, which takes
+    `step_seconds` for a training micro-batch and `eval_batch_seconds` for an evaluation batch (`timed_loss`). The
+    probe's step time and every plan then follow from those figures and the budget alone."""
 
-    def __init__(self):
+    def __init__(self, step_seconds: float, eval_batch_seconds: float):
         self.now = 1_000_000.0
+        self.step_seconds, self.eval_batch_seconds = step_seconds, eval_batch_seconds
 
     def time(self):
-        self.now += 0.5
         return self.now
+
+    def timed_loss(self, real_loss):
+        def loss(method, drafter, batch):
+            self.now += self.step_seconds if drafter.training else self.eval_batch_seconds
+            return real_loss(method, drafter, batch)
+
+        return loss
 
 
 def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fixture_target_dir, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "time", FakeClock())
+    """Every plan (the probe's, then two re-fits) ends where the fake clock says the budget B runs out: at 1.5 s a
+    step and 1 s an evaluation (two batches), a plan made at step k has B - 1.5 k - 1 seconds left (the probe's
+    evaluation is spent) and fits the most steps n with 1.5 n + 1 (the final evaluation) <= 97% of that. A probe
+    that misjudged the step time would plan another first total."""
+    from draftsmith.models.eagle3.training import Eagle3Method
+    from draftsmith.train.optim import SAFETY_MARGIN
+    from test_train import tiny_random_target
+
+    clock = FakeClock(step_seconds=1.5, eval_batch_seconds=0.5)
+    monkeypatch.setattr(trainer_mod, "time", clock)
+    monkeypatch.setattr(Eagle3Method, "loss", clock.timed_loss(Eagle3Method.loss))
+    target = tiny_random_target(tmp_path / "target", fixture_target_dir)
     data = write_conversations(tmp_path / "conv.jsonl")
     lines = []
-    recipe = tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=None, epochs=1000, max_minutes=3.0,
-                         time_probe_steps=4, grad_accum_steps=1, eval_every=1000, save_every=1000, warmup_ratio=0.1)
+    recipe = tiny_recipe(target, data, tmp_path, max_steps=None, epochs=1000, max_minutes=2.0, time_probe_steps=4,
+                         grad_accum_steps=1, eval_every=1000, save_every=1000, warmup_ratio=0.1)
+    budget = recipe.training.max_minutes * 60
+    eval_seconds = math.ceil(recipe.data.eval_samples / recipe.training.batch_size) * clock.eval_batch_seconds
+    started = clock.now
     train(recipe, log=lines.append)
+    step_ms = f"{clock.step_seconds * 1000:.1f} ms/step"
+
+    def planned_total(step: int) -> int:
+        """Where a plan made at `step` ends: every step and one evaluation spent, the final one still due."""
+        seconds_left = budget - step * clock.step_seconds - eval_seconds
+        return step + math.floor((seconds_left * (1 - SAFETY_MARGIN) - eval_seconds) / clock.step_seconds)
+
+    first = next(line for line in lines if line.startswith("time budget 2.0 min:"))
+    assert f"{step_ms} over probe steps 2..3" in first  # the probe measured the clock's step time
+    assert f"decay to 0 at step {planned_total(4)}," in first
+    replans = [line for line in lines if line.startswith("time budget: re-planned at step")]
+    assert len(replans) == 2  # re-fitted twice, each to the same deadline
+    replan_steps = [int(line.split("re-planned at step ")[1].split(":")[0]) for line in replans]
+    for line, step in zip(replans, replan_steps):
+        assert line.endswith(f": {step_ms}, decay to 0 at step {planned_total(step)}"), line
+
     run = tmp_path / "run"
-    state = json.loads((run / "latest").read_text() and (run / (run / "latest").read_text().strip() /
-                                                          "trainer_state.json").read_text())
+    state = json.loads((run / (run / "latest").read_text().strip() / "trainer_state.json").read_text())
     plan = state["plan"]
-    step_ms = float(plan["note"].split(" ms/step")[0])  # a whole number of fake half-second clock reads
-    assert plan["hold"] == 4 and step_ms > 0 and step_ms % 500 == 0
-    assert state["step"] == plan["total"] > 4  # the run ended on its plan, not cut off by the deadline
+    assert plan["hold"] == 4 and plan["total"] == planned_total(replan_steps[-1])
+    assert state["step"] == plan["total"]  # the run ended on its plan, not cut off by the deadline
+    assert clock.now - started <= budget  # and inside the budget, the final evaluation included
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     assert all(lr[s] == 0.0 for s in range(1, 4)) and lr[5] > 0
     assert lr[plan["total"]] == pytest.approx(0.0, abs=1e-12)
-    assert any(line.startswith("time budget 3.0 min:") for line in lines)
-    replans = [line for line in lines if line.startswith("time budget: re-planned at step")]
-    assert len(replans) == 2 and f"decay to 0 at step {plan['total']}" in replans[-1]  # re-fitted twice, on time
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():

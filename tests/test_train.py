@@ -1,6 +1,7 @@
 """End-to-end training on the fixture target: the loop learns, checkpoints load, resume is exact."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -113,6 +114,72 @@ def test_init_from_continues_from_a_checkpoint(tmp_path, fixture_target_dir):
     bad.model.init_from = str(first)
     with pytest.raises(TrainingError, match="does not fit"):
         train(bad, log=lambda *a: None)
+
+
+def tiny_random_target(folder, fixture_target_dir):
+    """A 4-layer, 64-wide random Llama with the fixture target's tokenizer and vocabulary: trains in seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fixture = json.loads((fixture_target_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=fixture["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=fixture["bos_token_id"],
+        eos_token_id=fixture["eos_token_id"], pad_token_id=fixture["pad_token_id"])).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(fixture_target_dir / name, folder / name)
+    return folder
+
+
+def test_gradient_accumulation_trains_as_the_batch_it_splits(tmp_path, fixture_target_dir):
+    """training.grad_accum_steps=2 at batch_size 2 ends with the weights of batch_size 4 at 1 (float32, float
+    rounding only): accelerate divides each micro-batch's loss by 2, and EAGLE-3's loss gradient, taken in the
+    forward pass, must follow that scale (a backward that ignored it doubled the logged gradient norm; Adam's
+    normalisation hides most of a uniform scale from the weights).
+
+    Both runs see the same samples in each optimizer step: an epoch's order is one permutation of the samples
+    (seed, epoch), cut into micro-batches in order, so step s reads samples order[4s:4s+4] either way. The loss is
+    a mean over each micro-batch's valid tokens, so two micro-batches average to the mean over both only when
+    they hold as many: every sample here has the same length and the same number of assistant tokens (asserted),
+    and mask_outside_draft_vocab is off so the target's argmax does not drop positions."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from draftsmith.data import prepare_dataset
+
+    target = tiny_random_target(tmp_path / "target", fixture_target_dir)
+    data = tmp_path / "sums.jsonl"
+    with data.open("w") as f:
+        for i in range(18):  # one token per digit: same length and loss mask, different tokens
+            a, b = i % 10, (3 * i + 1) % 10
+            f.write(json.dumps({"conversations": [
+                {"from": "human", "value": f"Please add {a} and {b}."},
+                {"from": "gpt", "value": f"Sure: {a} plus {b} makes {(a + b) % 10} here."}]}) + "\n")
+
+    def recipe_for(batch_size, accum):
+        out = tmp_path / f"batch{batch_size}"
+        recipe = tiny_recipe(target, data, out, max_steps=3, batch_size=batch_size, grad_accum_steps=accum,
+                             eval_every=100, save_every=100, mixed_precision="no", mask_outside_draft_vocab=False)
+        recipe.data.eval_samples = 2
+        recipe.model.dtype = "float32"
+        return recipe
+
+    samples = prepare_dataset(recipe_for(2, 2).data, AutoTokenizer.from_pretrained(target), log=lambda *a: None).train
+    assert len({(len(s.input_ids), sum(s.loss_mask)) for s in samples}) == 1  # the premise of an exact match
+    runs = {}
+    for batch_size, accum in ((2, 2), (4, 1)):
+        checkpoint = train(recipe_for(batch_size, accum), log=lambda *a: None)
+        rows = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+        runs[batch_size] = load_file(checkpoint / "model.safetensors"), [r for r in rows if "loss" in r]
+
+    (split_weights, split_rows), (whole_weights, whole_rows) = runs[2], runs[4]
+    assert [r["step"] for r in split_rows] == [r["step"] for r in whole_rows] == [1, 2, 3]
+    for split, whole in zip(split_rows, whole_rows):
+        assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+        assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    assert split_weights.keys() == whole_weights.keys()
+    for name in whole_weights:
+        torch.testing.assert_close(split_weights[name], whole_weights[name], rtol=0, atol=1e-5, msg=name)
 
 
 # ---- health: NaN and stuck runs (issue 16, item 9) -----------------------------------------------------------------

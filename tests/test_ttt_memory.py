@@ -356,3 +356,70 @@ def test_the_gradient_taken_in_the_forward_pass_under_bf16_autocast():
     for a, b in zip(got_grads, want_grads):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
+
+
+def scaled_loss_inputs(name, loss_grad):
+    """(loss, the tensors its gradient flows to) for one of the chunked losses, in chunks that do not divide the
+    rows: EAGLE-3's fused TTT loss (a head and norm that train inside it), MTP's soft CE and DFlash's hard and
+    soft CE over a frozen head, DSpark's loss (its Markov and confidence heads train inside it)."""
+    from draftsmith.models.dflash.loss import dflash_loss
+    from draftsmith.models.mtp.loss import mtp_loss
+
+    g = torch.Generator().manual_seed(2)
+    if name == "eagle3":
+        drafter = tiny_drafter(norm_before_fc=True, norm_output=False)
+        aux, embeds, last_hidden, head, loss_mask = ttt_batch()
+        teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+        loss, _ = drafter(aux, embeds, 3, loss_targets=dict(
+            teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=11,
+            loss_grad=loss_grad))
+        return loss, list(drafter.parameters())
+    head = torch.nn.Linear(16, 40, bias=False).requires_grad_(False)
+    torch.nn.init.normal_(head.weight, generator=g)
+    if name == "mtp":
+        depth_hidden = [torch.randn(2, 13, 16, generator=g, requires_grad=True) for _ in range(2)]
+        loss_mask = (torch.rand(2, 13, generator=g) > 0.2).long()
+        loss, _ = mtp_loss(depth_hidden, torch.randn(2, 13, 16, generator=g), loss_mask, head, chunk_size=7,
+                           loss_grad=loss_grad)
+        return loss, depth_hidden
+    if name == "dspark":
+        from draftsmith.models.dspark.loss import dspark_loss
+        from test_dspark import tiny_config as dspark_config  # shared helpers, same folder
+        from test_dspark import tiny_drafter as dspark_drafter
+
+        config = dspark_config()
+        drafter = dspark_drafter(config).train()
+        vocab, hidden_size = config.vocab_size, config.hidden_size
+        block_hidden = torch.randn(2, 2, config.block_size, hidden_size, generator=g, requires_grad=True)
+        ids = torch.randint(0, vocab, (2, 2, config.block_size), generator=g)
+        valid = torch.rand(2, 2, config.block_size, generator=g) > 0.3
+        loss, _ = dspark_loss(block_hidden, torch.randn(vocab, hidden_size, generator=g), drafter.markov_head,
+                              drafter.confidence_head, ids, ids.roll(1, -1), valid,
+                              torch.randn(int(valid.sum()), hidden_size, generator=g), ce_weight=0.1, l1_weight=0.9,
+                              confidence_weight=1.0, gamma=4.0, chunk_size=3, loss_grad=loss_grad)
+        heads = [p for n, p in drafter.named_parameters() if n.startswith(("markov_head", "confidence_head"))]
+        return loss, [block_hidden, *heads]
+    block_hidden = torch.randn(2, 3, 4, 16, generator=g, requires_grad=True)  # (B, N, B_k, H)
+    valid = torch.rand(2, 3, 3, generator=g) > 0.3
+    labels = torch.randint(0, 40, (2, 3, 3), generator=g)
+    teacher = torch.randn(int(valid.sum()), 16, generator=g) if name == "dflash_soft_ce" else None
+    loss, _ = dflash_loss(block_hidden, head.weight, labels, valid, 2.0, teacher, chunk_size=5, loss_grad=loss_grad)
+    return loss, [block_hidden]
+
+
+@pytest.mark.parametrize("loss_grad", ["in_forward", "recompute"])
+@pytest.mark.parametrize("name", ["eagle3", "mtp", "dflash_ce", "dflash_soft_ce", "dspark"])
+def test_every_chunked_loss_scales_its_gradient_by_the_upstream_one(name, loss_grad):
+    """d(c * loss) = c * d(loss): accelerate divides the loss by grad_accum_steps before its backward pass and fp16
+    loss scaling multiplies it, so a gradient taken in the forward pass must still be scaled by the upstream one
+    (a backward that dropped it would give a half-weighted loss a gradient twice too large)."""
+    loss, inputs = scaled_loss_inputs(name, loss_grad)
+    plain = torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+    assert any(grad is not None and grad.abs().sum() > 0 for grad in plain)
+    for scale in (0.5, 3.0):
+        scaled = torch.autograd.grad(scale * loss, inputs, retain_graph=True, allow_unused=True)
+        for want, got in zip(plain, scaled):
+            if want is None:
+                assert got is None
+                continue
+            torch.testing.assert_close(got, scale * want, rtol=1e-5, atol=1e-6)
