@@ -97,22 +97,6 @@ def dflash_flops_per_token(target_config, drafter_config, seq_len: int, anchors:
     return terms
 
 
-def dspark_flops_per_token(target_config, drafter_config, seq_len: int, anchors: int,
-                           attention: str = "causal") -> dict[str, float]:
-    """DFlash's count (every one of the B_k slots predicts, not B_k - 1) plus, per slot, the target's head on the
-    teacher state and, forward and backward, the Markov head's rank-r product over the vocabulary."""
-    d = drafter_config
-    terms = dflash_flops_per_token(target_config, d, seq_len, anchors, attention)
-    slots = anchors * d.block_size / seq_len
-    head = 2 * d.hidden_size * d.vocab_size
-    extra_slots = anchors / seq_len  # DFlash counts B_k - 1 slots a block
-    markov = 2 * d.markov_rank * d.vocab_size
-    terms["teacher_head"] = 2.0 * target_config.hidden_size * target_config.vocab_size * slots
-    terms["drafter_forward_backward"] += 2.0 * extra_slots * head + 3.0 * slots * markov
-    terms["total"] = sum(v for k, v in terms.items() if k != "total")
-    return terms
-
-
 def mtp_flops_per_token(target_config, num_depths: int, seq_len: int, attention: str = "causal",
                         loss_share: float = 1.0) -> dict[str, float]:
     """FLOP per token of online MTP training with `num_depths` depths over sequences of `seq_len`, by term, and

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-ADAMW_ONLY = ("lm_head",)  # 2D, but a readout: AdamW, not Muon
+# 2D, but readouts over the vocabulary or vocabulary tables (EAGLE-3's head, DSpark's Markov W1 and W2): AdamW, not
+# Muon, which orthogonalises the hidden matrices
+ADAMW_ONLY = ("lm_head", "markov_head.markov_w")
 PROBING = "probing step time"  # the note of a plan still waiting for the probe
 SAFETY_MARGIN = 0.03  # of the time left, kept free when planning steps into a budget
 MEASURE_SKIP = 2  # probe steps not timed (first-call compilation, allocator warm-up)

