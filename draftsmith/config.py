@@ -179,6 +179,16 @@ class TrainingConfig(BaseModel):
     eval_every: int = Field(200, ge=1)
     save_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
+    # Stop (one line, exit 2) once the run has not learned for this many optimizer steps: a gradient norm of exactly
+    # 0, or a loss that has not moved over 5 logged steps (train/health.py), e.g. a learning rate that saturated the
+    # drafter. Periodic checkpoints are skipped while it is stuck, so the last good one stays. 200 steps: little of
+    # a real run's thousands, and far longer than any flat stretch of a run that learns (its loss moves at every
+    # logged step); null: only warn.
+    stop_when_stuck_steps: int | None = Field(200, ge=1)
+    # Resume a checkpoint whose training_state/ holds pickles (FSDP and DeepSpeed runs, saved by accelerate; folders
+    # written before draftsmith kept its own state in safetensors and JSON): loading a pickle can run code, so
+    # only for a run folder you trust (train/state.py)
+    trust_run_folder: bool = False
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
     run_name: str | None = None
 

@@ -4,7 +4,9 @@ target, a full disk at a checkpoint; and NaN comparisons that must count as wron
 from __future__ import annotations
 
 import errno
+import os
 import re
+import shlex
 import shutil
 
 import pytest
@@ -142,10 +144,11 @@ def test_finite_watch_names_the_first_problem_in_order():
 def test_stuck_watch(losses, grad_norms, expected):
     from draftsmith.train.health import StuckWatch
 
-    watch = StuckWatch()
+    watch = StuckWatch("training.lr=1e+06")
     warnings = [w for step, (loss, norm) in enumerate(zip(losses, grad_norms), 1)
-                for w in watch.observe(step, loss, norm, 1e6)]
+                for w in watch.observe(step, loss, norm)]
     assert len(warnings) == len(expected) and all(e in w for e, w in zip(expected, warnings))
+    assert all("training.lr=1e+06" in w for w in warnings)  # the recipe's rate, not the decayed one of the step
 
 
 def test_a_rerun_removes_the_partial_checkpoint_of_a_killed_save(tmp_path, fixture_target_dir):
@@ -161,3 +164,125 @@ def test_a_rerun_removes_the_partial_checkpoint_of_a_killed_save(tmp_path, fixtu
     recipe.training.max_steps = 3
     train(recipe, log=lambda *a: None)
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".")) == []
+
+
+# ---- issue 25: resuming never unpickles (item 1), a stuck run stops (item 6), the same-run check (item 8) ---------
+class MarkerPayload:
+    """A pickle that, once loaded with torch.load(weights_only=False), creates `marker` (a stand-in for any code)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(self.marker)}",)
+
+
+def run_cli_ok(capsys, *argv: str) -> bool:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", ["custom_checkpoint_0.pkl", "optimizer.bin", "optimizer_0.safetensors"])
+def test_a_planted_pickle_in_a_run_folder_is_refused_and_never_loaded(tmp_path, capsys, fixture_target_dir, planted):
+    """`cp -r runs/base runs/evil`, a crafted pickle in its training_state/, `draftsmith train` on it: accelerate read
+    custom_checkpoint_0.pkl (the scheduler) with weights_only=False and ran it. Now the checkpoint holds no pickle at
+    all, and one that turns up, under any name, is refused in one line naming it before anything is loaded."""
+    recipe = recipe_file(tmp_path, fixture_target_dir, max_steps=2)
+    assert run_cli_ok(capsys, "train", str(recipe))
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    clean = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*") if p.is_file())
+    marker = tmp_path / "PWNED"
+    torch.save(MarkerPayload(marker), checkpoint / "training_state" / planted)
+    code, error = run_cli(capsys, "train", str(recipe), "training.max_steps=3")
+    assert not marker.exists()
+    assert code == 2 and f"{checkpoint / 'training_state' / planted}: a pickle draftsmith did not write" in error
+
+    from draftsmith.train.state import looks_pickled
+
+    written = [p for p in clean if p.name != planted]  # what draftsmith wrote holds no pickle
+    assert written and not [p for p in written if looks_pickled(checkpoint / p)], written
+
+
+@pytest.mark.slow
+def test_a_run_folder_of_accelerate_pickles_is_refused_with_what_to_do(tmp_path, capsys, fixture_target_dir):
+    """A folder written before draftsmith kept its own training state (optimizer.bin, random_states_0.pkl, ...)."""
+    recipe = recipe_file(tmp_path, fixture_target_dir, max_steps=1)
+    assert run_cli_ok(capsys, "train", str(recipe))
+    state = tmp_path / "run" / "checkpoint-1" / "training_state"
+    for path in state.iterdir():
+        path.unlink()
+    for name in ("optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"):
+        torch.save({}, state / name)
+    code, error = run_cli(capsys, "train", str(recipe), "training.max_steps=2")
+    assert code == 2 and "set output_dir to a new folder" in error
+    assert f"model.init_from={tmp_path / 'run' / 'checkpoint-1'}" in error and "trust_run_folder" in error
+
+
+@pytest.mark.slow
+def test_a_stuck_run_stops_naming_the_recipes_rate_and_keeps_its_last_good_checkpoint(tmp_path, capsys,
+                                                                                      fixture_target_dir):
+    """training.lr=1e6 saturates the drafter: gradient norm 0, a loss that does not move. The run stops with exit 2
+    once stuck for training.stop_when_stuck_steps steps, naming training.lr=1e+06 (not the decayed rate of its last
+    step), and writes no checkpoint of the stuck weights."""
+    recipe = recipe_file(tmp_path, fixture_target_dir, lr=1e6, max_steps=40, stop_when_stuck_steps=4, save_every=1,
+                         eval_every=100)
+    code, error = run_cli(capsys, "train", str(recipe))
+    assert code == 2 and "training.lr=1e+06 is probably too high" in error, error
+    assert "training.stop_when_stuck_steps=4" in error
+    since, stopped = map(int, re.search(r"steps (\d+)\.\.(\d+): the drafter has not learned", error).groups())
+    assert stopped - since == 4 and stopped < 40
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert saved and max(saved) < since  # nothing written at the stop, nor while it was stuck
+    assert f"model.init_from={tmp_path / 'run' / f'checkpoint-{max(saved)}'}" in error
+
+
+@pytest.mark.slow
+def test_a_resume_that_would_change_the_optimizer_or_schedule_is_refused_before_the_target_loads(
+        tmp_path, fixture_target_dir, monkeypatch):
+    """Resuming with another training.optimizer failed after the whole data and target load with torch's "loaded
+    state dict contains a parameter group that doesn't match"; other rates, betas or schedules were silently
+    replaced by the checkpoint's. The check reads only the checkpoint's recipe and trainer_state.json."""
+    from draftsmith.train import TrainingError, train
+    from draftsmith.train import trainer as trainer_mod
+
+    data = write_conversations(tmp_path / "conv.jsonl")
+    train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=1), log=lambda *a: None)
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the target was loaded before the same-run check")
+
+    monkeypatch.setattr(trainer_mod, "_load_tokenizer", no_tokenizer)
+    for changed, named in [
+        ({"optimizer": "muon"}, 'training.optimizer "adamw" there, "muon" now'),
+        ({"lr": 2e-3}, "training.lr 0.001 there, 0.002 now"),
+        ({"warmup_ratio": 0.5, "lr_schedule": "linear"}, 'training.lr_schedule "cosine" there, "linear" now'),
+        ({"batch_size": 4}, "training.batch_size 2 x 1 processes there, 4 x 1 now"),
+        ({"grad_accum_steps": 1}, "training.grad_accum_steps 2 there, 1 now"),
+    ]:
+        with pytest.raises(TrainingError) as raised:
+            train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2, **changed), log=lambda *a: None)
+        message = str(raised.value)
+        assert named in message and "\n" not in message and "set output_dir to a new folder" in message, changed
+    with pytest.raises(AssertionError, match="before the same-run check"):  # max_steps may change
+        train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2), log=lambda *a: None)
+
+
+def test_stuck_watch_stops_after_the_configured_steps():
+    from draftsmith.train.health import StuckWatch
+
+    watch = StuckWatch("training.lr=1e+06", stop_after=6)
+    for step in range(1, 4):
+        watch.observe(step, 10.0 - step, 1.0)
+    assert watch.stuck_since is None and watch.stop_message(3) is None
+    for step in range(4, 10):
+        watch.observe(step, 16.177, 0.0)
+    assert watch.stuck_since == 4 and watch.stopping_soon() and watch.stop_message(9) is None
+    watch.observe(10, 16.177, 0.0)
+    assert watch.stop_message(10).startswith("steps 4..10: the drafter has not learned for 6 steps")
+    assert "training.lr=1e+06" in watch.stop_message(10)
+    watch.observe(11, 15.0, 0.3)  # learning again: the stretch is over
+    assert watch.stuck_since is None and watch.stop_message(11) is None
+    assert StuckWatch("training.lr=1", stop_after=None).stop_message(100) is None

@@ -1,4 +1,5 @@
-"""Run health: a non-finite loss, gradient norm or target feature stops the run; a stuck run gets a warning.
+"""Run health: a non-finite loss, gradient norm or target feature stops the run; a stuck run gets a warning, and
+stops once it has been stuck for training.stop_when_stuck_steps steps.
 
 Host syncs. The loop makes none per step (a sync per step would stall the device queue every step). The flags
 (is this micro-batch's loss finite, which rows' captured features are finite, is this step's gradient norm
@@ -107,26 +108,65 @@ class FiniteWatch:
 
 
 class StuckWatch:
-    """Warns (once each) when a logged step's gradient norm is exactly 0, or the loss has not moved over
-    STUCK_WINDOW logged steps: a run that cannot learn (e.g. a learning rate so high that the drafter saturated)."""
+    """Watches the logged steps for a run that has stopped learning (e.g. a learning rate so high that the drafter
+    saturated): a gradient norm of exactly 0, or a loss that has not moved (within STUCK_RTOL) over STUCK_WINDOW
+    logged steps. Each is warned about once. With `stop_after`, a run stuck for that many optimizer steps is to
+    stop (`stop_message`). `rate` names the recipe's learning rate(s) in the messages ("training.lr=0.0001"): the
+    rate a step logs has been decayed by the schedule, and is 0 at the last step."""
 
-    def __init__(self, window: int = STUCK_WINDOW):
+    def __init__(self, rate: str, stop_after: int | None = None, window: int = STUCK_WINDOW):
+        self.rate = rate
+        self.stop_after = stop_after
         self.window = window
-        self.losses: list[tuple[int, float]] = []
+        self.flat: list[tuple[int, float]] = []  # the longest run of latest logged losses within STUCK_RTOL
+        self.zero_since: int | None = None  # first logged step of the latest run of exactly-0 gradient norms
         self.warned: set[str] = set()
 
-    def observe(self, step: int, loss: float, grad_norm: float, lr: float) -> list[str]:
+    @property
+    def stuck_since(self) -> int | None:
+        """The first step of the stretch that shows the run is not learning, None while it learns."""
+        since = [s for s in (self.zero_since, self.flat[0][0] if len(self.flat) >= self.window else None)
+                 if s is not None]
+        return min(since) if since else None
+
+    def observe(self, step: int, loss: float, grad_norm: float) -> list[str]:
         warnings = []
-        if grad_norm == 0.0 and "grad" not in self.warned:
-            self.warned.add("grad")
-            warnings.append(f"step {step}: the gradient norm is exactly 0, so the drafter is not learning "
-                            f"(training.lr={lr:g} may have saturated it, or no position counts in the loss): stop "
-                            "and lower training.lr")
-        self.losses = [*self.losses[-(self.window - 1):], (step, loss)]
-        values = [v for _, v in self.losses]
-        if len(values) == self.window and "loss" not in self.warned:
-            if max(values) - min(values) <= STUCK_RTOL * max(1.0, abs(sum(values) / len(values))):
-                self.warned.add("loss")
-                warnings.append(f"steps {self.losses[0][0]}..{step}: the loss has not moved from {loss:.6g} over "
-                                f"{self.window} logged steps: the run is stuck (training.lr={lr:g} too high?)")
+        if grad_norm == 0.0:
+            self.zero_since = step if self.zero_since is None else self.zero_since
+            if "grad" not in self.warned:
+                self.warned.add("grad")
+                warnings.append(f"step {step}: the gradient norm is exactly 0, so the drafter is not learning "
+                                f"({self.rate} may have saturated it, or no position counts in the loss): stop and "
+                                "lower it")
+        else:
+            self.zero_since = None
+        # a stretch of stop_after steps has at most stop_after + 1 logged losses: older ones are not needed
+        longest = self.window if self.stop_after is None else self.window + self.stop_after
+        self.flat = self.flat[-(longest - 1):] + [(step, loss)]
+        while len(self.flat) > 1 and not _within_noise([v for _, v in self.flat]):
+            self.flat.pop(0)
+        if len(self.flat) >= self.window and "loss" not in self.warned:
+            self.warned.add("loss")
+            warnings.append(f"steps {self.flat[0][0]}..{step}: the loss has not moved from {loss:.6g} over "
+                            f"{len(self.flat)} logged steps: the run is stuck ({self.rate} too high?)")
         return warnings
+
+    def stopping_soon(self) -> bool:
+        """Stuck now, with a stop configured: a checkpoint written now would hold weights that do not learn."""
+        return self.stop_after is not None and self.stuck_since is not None
+
+    def stop_message(self, step: int) -> str | None:
+        """One line when the run has been stuck for `stop_after` steps by `step`, else None."""
+        since = self.stuck_since
+        if self.stop_after is None or since is None or step - since < self.stop_after:
+            return None
+        why = "its gradient norm is exactly 0" if self.zero_since is not None else \
+            f"its loss has stayed at {self.flat[-1][1]:.6g}"
+        return (f"steps {since}..{step}: the drafter has not learned for {step - since} steps ({why}), so the run "
+                f"stops (training.stop_when_stuck_steps={self.stop_after}): {self.rate} is probably too high; lower "
+                "it and train in a new output_dir")
+
+
+def _within_noise(values: list[float]) -> bool:
+    """The values' spread is float32 noise: within STUCK_RTOL of their mean (or of 1, for losses near 0)."""
+    return max(values) - min(values) <= STUCK_RTOL * max(1.0, abs(sum(values) / len(values)))

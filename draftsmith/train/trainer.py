@@ -7,11 +7,14 @@ master weights, gradient accumulation and the trackers.
 Resume is exact: a checkpoint is taken only at an optimizer-step boundary and records the epoch and the number
 of micro-batches already consumed in it; the data order of an epoch is a pure function of (seed, epoch), so a
 resumed run sees exactly the batches an uninterrupted run would have seen. A run resumes only a checkpoint of the
-same recipe (model, data and the method's section; training keys such as max_steps may change).
+same recipe: model, data and the method's section, and the training keys the optimizer state, the schedule and
+the resume position were made with (SAME_RUN_TRAINING); the others, such as max_steps, may change. Resuming never
+unpickles anything from the run folder (state.py).
 
 Health (health.py): a NaN or inf in the loss, the gradient norm or the target's features stops the run with one
 line naming the step (and sample), found at the next sync the loop makes anyway and always before a checkpoint is
-written; a run whose gradient norm is 0 or whose loss does not move is warned about.
+written; a run whose gradient norm is 0 or whose loss does not move is warned about, and stopped once it has not
+learned for training.stop_when_stuck_steps steps (periodic checkpoints are skipped while it is stuck).
 """
 
 from __future__ import annotations
@@ -49,15 +52,22 @@ from draftsmith.train.optim import (
     probe_plan,
     replan,
 )
+from draftsmith.train.state import STATE_DIR, check_run_folder, load_training_state, save_training_state
 
 LATEST = "latest"
-STATE_DIR = "training_state"
 WEIGHTS_FILE = "model.safetensors"
 RECIPE_FILE = "recipe.yaml"
 # Sections of the recipe a resumed run must share with its checkpoint (plus the method's own section): they decide
 # what the drafter is and what it learns from. data.cache_dir only says where cached files live.
 SAME_RUN_SECTIONS = ("model", "data")
 SAME_RUN_IGNORED = {"data.cache_dir"}
+# Training keys a resumed run must share with its checkpoint: loading the optimizer state brings back the values it
+# was made with (another optimizer does not load at all), the schedule is the checkpoint's plan, and the resume
+# position counts the checkpoint's micro-batches in the order the seed gives. batch_size may change with the number
+# of processes as long as their product (the micro-batch of all processes) stays. The rest may change: when to stop
+# (max_steps, epochs, max_minutes; the schedule stays the checkpoint's), logging, saving, memory and speed knobs.
+SAME_RUN_TRAINING = ("optimizer", "lr", "muon_lr", "adam_betas", "weight_decay", "lr_schedule", "warmup_ratio",
+                     "time_probe_steps", "seed", "grad_accum_steps", "tokens_per_step", "packing")
 NEARLY_FULL_BYTES = 64 * 2**20  # torch.save reports a full disk as a RuntimeError without errno: this little left
 
 
@@ -174,18 +184,27 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _checkpoint_before(output_dir: Path, step: int) -> Path | None:
+    """The newest checkpoint-N of output_dir with N < step."""
+    steps = [int(p.name.split("-")[-1]) for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    earlier = [n for n in steps if n < step]
+    return output_dir / f"checkpoint-{max(earlier)}" if earlier else None
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Path, state: dict) -> Path:
+def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Path, state: dict,
+                    optimizers) -> Path:
     """Write checkpoint-<step>/ through a temporary folder and a rename, then point `latest` at it.
 
-    The drafter's weights are written once, as model.safetensors; training_state/ holds the optimizer, scheduler
-    and RNG states (accelerate's save_state, whose hooks `train` sets to leave the model out). A failed write (a
-    full disk) removes the partial folder and stops the run with one line; the last complete checkpoint stays."""
+    The drafter's weights are written once, as model.safetensors; training_state/ holds the optimizer and RNG
+    states in safetensors and JSON (state.py; under FSDP or DeepSpeed, accelerate's save_state, whose hooks `train`
+    sets to leave the model out). A failed write (a full disk) removes the partial folder and stops the run with
+    one line; the last complete checkpoint stays."""
     from draftsmith.models.checkpoint import is_disk_full, save_safetensors_atomic, write_json_atomic
 
     name = f"checkpoint-{state['step']}"
@@ -196,12 +215,18 @@ def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Pa
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp / STATE_DIR))  # optimizer, scheduler, RNG states (all processes)
         if accelerator.is_main_process:
             model = accelerator.unwrap_model(drafter)
             tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
                        if not k.startswith("rotary_emb.")}
             save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
+        if _delegated(accelerator):
+            accelerator.save_state(str(tmp / STATE_DIR))  # FSDP / DeepSpeed shard the optimizer themselves
+        else:  # optimizer and RNG states (every process its RNG's), no pickles
+            save_training_state(tmp / STATE_DIR, optimizers, accelerator.process_index, accelerator.num_processes,
+                                accelerator.is_main_process)
+        accelerator.wait_for_everyone()  # every process's RNG file is in before the folder is renamed
+        if accelerator.is_main_process:
             write_json_atomic(method.config.to_dict(), tmp / "config.json")
             write_json_atomic(state, tmp / "trainer_state.json")
             save_recipe(recipe, tmp / RECIPE_FILE)
@@ -238,9 +263,18 @@ def _nearly_full(path: Path) -> bool:
         return False
 
 
+def _delegated(accelerator) -> bool:
+    """FSDP or DeepSpeed: they shard the optimizer state, which only accelerate's save_state and load_state
+    (pickles) handle."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
+                                            DistributedType.MEGATRON_LM)
+
+
 def _state_without_model(models, weights, output_dir) -> None:
     """accelerate's save_state pre-hook: the checkpoint's model.safetensors already holds the drafter's weights,
-    so training_state/ keeps only the optimizer, scheduler and RNG states (FSDP and DeepSpeed, which shard the
+    so training_state/ keeps only the optimizer and RNG states (FSDP and DeepSpeed, which shard the
     model themselves, never put it in `weights`)."""
     weights.clear()
 
@@ -250,24 +284,44 @@ def _model_from_checkpoint(accelerator):
     fp32 master weights, so a resume stays bit-exact) and tell accelerate not to look for its own."""
 
     def hook(models, input_dir) -> None:
-        from draftsmith.models.checkpoint import load_checkpoint
-
         if not models:
             return
-        _, tensors = load_checkpoint(Path(input_dir).parent)
         for model in models:
-            missing, unexpected = accelerator.unwrap_model(model).load_state_dict(tensors, strict=False)
-            missing = [k for k in missing if not k.startswith("rotary_emb.")]
-            if missing or unexpected:
-                raise TrainingError(f"{Path(input_dir).parent / WEIGHTS_FILE}: does not fit this drafter (tensors "
-                                    f"{(missing + unexpected)[:5]} differ): set output_dir to a new folder")
+            load_drafter_weights(accelerator, model, Path(input_dir).parent)
         models.clear()
 
     return hook
 
 
-def check_same_run(checkpoint: Path, recipe: Recipe, output_dir: Path) -> None:
-    """Refuse to resume a checkpoint trained with other model, data or method keys than `recipe`'s."""
+def load_drafter_weights(accelerator, drafter, checkpoint: Path) -> None:
+    """The drafter's weights from the checkpoint's model.safetensors (its one copy, fp32 master weights, so a
+    resume stays bit-exact)."""
+    from draftsmith.models.checkpoint import load_checkpoint
+
+    _, tensors = load_checkpoint(checkpoint)
+    missing, unexpected = accelerator.unwrap_model(drafter).load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise TrainingError(f"{checkpoint / WEIGHTS_FILE}: does not fit this drafter (tensors "
+                            f"{(missing + unexpected)[:5]} differ): set output_dir to a new folder")
+
+
+def _schedule_at(schedulers, step: int) -> None:
+    """Put the rebuilt schedulers of a resumed run at `step`: the rate is a pure function of the step and the plan
+    (trainer_state.json), so no scheduler state is saved. step() recomputes each group's rate from its
+    initial_lr, which the loaded optimizer state holds."""
+    for scheduler in schedulers:
+        scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():  # no optimizer step has run in this process yet: torch's order warning
+            warnings.filterwarnings("ignore", message="Detected call of")
+            scheduler.step()
+
+
+def check_same_run(checkpoint: Path, recipe: Recipe, output_dir: Path, processes: int = 1) -> list[str]:
+    """Refuse to resume a checkpoint trained with other model, data or method keys than `recipe`'s, or other
+    SAME_RUN_TRAINING keys, or another micro-batch of all `processes` (reads only the checkpoint's recipe and
+    trainer_state.json: it runs before anything slow). Returns notes on the keys that may change but do not
+    change the schedule."""
     fresh = f"set output_dir to a new folder, or delete {output_dir} to start fresh"
     try:
         old = recipe_to_dict(load_recipe(checkpoint / RECIPE_FILE))
@@ -275,16 +329,45 @@ def check_same_run(checkpoint: Path, recipe: Recipe, output_dir: Path) -> None:
         raise TrainingError(f"{output_dir} holds {checkpoint.name}, whose recipe cannot be compared with this one "
                             f"({e}): {fresh}") from None
     new = recipe_to_dict(recipe)
+
+    def change(key: str, before, now) -> str:
+        return f"{key} {json.dumps(before)} there, {json.dumps(now)} now"
+
     differ = []
     for section in (*SAME_RUN_SECTIONS, recipe.model.method):
         before, now = old.get(section) or {}, new.get(section) or {}
         for key in sorted(set(before) | set(now)):
             if f"{section}.{key}" not in SAME_RUN_IGNORED and before.get(key) != now.get(key):
-                differ.append(f"{section}.{key} {json.dumps(before.get(key))} there, {json.dumps(now.get(key))} now")
+                differ.append(change(f"{section}.{key}", before.get(key), now.get(key)))
+    before, now = old.get("training") or {}, new["training"]
+    differ += [change(f"training.{key}", before.get(key), now[key]) for key in SAME_RUN_TRAINING
+               if key in before and before[key] != now[key]]  # a key the old recipe lacks had its default
+    saved = _read_trainer_state(checkpoint)
+    old_processes = saved.get("processes")
+    if isinstance(old_processes, int) and now["tokens_per_step"] is None and \
+            before.get("batch_size", now["batch_size"]) * old_processes != now["batch_size"] * processes:
+        differ.append(f"training.batch_size {before.get('batch_size')} x {old_processes} processes there, "
+                      f"{now['batch_size']} x {processes} now")
     if differ:
         more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
         raise TrainingError(f"{output_dir} holds {checkpoint.name} of another recipe ({'; '.join(differ[:3])}{more})"
-                            f": it resumes only with the same model, data and {recipe.model.method} keys; {fresh}")
+                            f": it resumes only with the same model, data and {recipe.model.method} keys and the "
+                            f"training keys its optimizer state, schedule and batches were made with; {fresh}")
+    plan = saved.get("plan") if isinstance(saved.get("plan"), dict) else {}
+    return [f"{change(f'training.{key}', before[key], now[key])}: the resumed run keeps its checkpoint's schedule, "
+            f"which ends at step {plan.get('total')}" for key in ("max_steps", "epochs")
+            if key in before and before[key] != now[key] and not plan.get("hold")]
+
+
+def _read_trainer_state(checkpoint: Path) -> dict:
+    path = checkpoint / "trainer_state.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TrainingError(f"{path}: cannot read it ({e}): set output_dir to a new folder") from None
+    if not isinstance(saved, dict):
+        raise TrainingError(f"{path}: expected a JSON object: set output_dir to a new folder")
+    return saved
 
 
 def drop_replayed_rows(metrics_path: Path, step: int) -> None:
@@ -432,8 +515,11 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     set_seed(cfg.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from = latest_checkpoint(output_dir)
+    own_state = True  # training_state/ in draftsmith's files (state.py), else accelerate's
     if resume_from is not None:  # before anything slow: a rerun of another recipe is refused at once
-        check_same_run(resume_from, recipe, output_dir)
+        for note in check_same_run(resume_from, recipe, output_dir, accelerator.num_processes):
+            log(note)
+        own_state = check_run_folder(resume_from, cfg.trust_run_folder, _delegated(accelerator))
     if accelerator.is_main_process:
         for stale in output_dir.glob(".checkpoint-*.tmp"):  # a save killed halfway (kill -9); this run saves later
             shutil.rmtree(stale, ignore_errors=True)
@@ -503,25 +589,33 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     else:
         plan = fixed_plan(total_steps, cfg.warmup_ratio, cfg.lr_schedule)
     planned = {"plan": plan}  # the schedulers read the current plan through this box
+    # not registered with accelerate (it would pickle them): rebuilt from the plan on resume (_schedule_at)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: planned["plan"].factor(step))
                   for opt in optimizers]
     drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
-    for scheduler in schedulers:
-        accelerator.register_for_checkpointing(scheduler)
+    # accelerate's save_state and load_state (FSDP, DeepSpeed, a trusted folder of accelerate's state)
     accelerator.register_save_state_pre_hook(_state_without_model)  # the weights live in model.safetensors
     accelerator.register_load_state_pre_hook(_model_from_checkpoint(accelerator))
 
     state = {"step": 0, "epoch": 0, "micro_batches_done": 0, "tokens_seen": 0, "train_seconds": 0.0}
     metrics_path = output_dir / "metrics.jsonl"
     if resume_from is not None:
-        accelerator.load_state(str(resume_from / STATE_DIR))
-        state = {**state, **json.loads((resume_from / "trainer_state.json").read_text())}
+        if own_state:
+            load_drafter_weights(accelerator, drafter, resume_from)
+            if not load_training_state(resume_from / STATE_DIR, optimizers, rank):
+                log(f"{resume_from / STATE_DIR}: no RNG state for process {rank}: its generators start from the "
+                    "seed")
+        else:
+            accelerator.load_state(str(resume_from / STATE_DIR))
+        state = {**state, **_read_trainer_state(resume_from)}
         if "plan" in state:
             planned["plan"] = SchedulePlan.from_dict(state["plan"])
+        _schedule_at(schedulers, state["step"])
         if accelerator.is_main_process:
             drop_replayed_rows(metrics_path, state["step"])
         log(f"resuming from {resume_from} at step {state['step']}")
     state["plan"] = planned["plan"].to_dict()
+    state["processes"] = world  # a resume must keep batch_size x processes (check_same_run)
     log(f"optimizer: {' + '.join(type(o.optimizer).__name__ for o in optimizers)}, lr {cfg.lr}"
         + (f" (Muon {cfg.muon_lr or cfg.lr})" if cfg.optimizer == "muon" else "")
         + f", {cfg.lr_schedule} schedule, micro-batches of {batch_label}")
@@ -537,7 +631,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
                                           target_runs=store_dir is None, loss_share=loss_share)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
-    stuck = StuckWatch()
+    rate = f"training.lr={cfg.lr:g}" + (f", training.muon_lr={cfg.muon_lr:g}" if cfg.optimizer == "muon" and
+                                          cfg.muon_lr else "")
+    stuck = StuckWatch(rate, cfg.stop_when_stuck_steps)
 
     def check_health() -> None:
         """Stop on the first NaN/inf since the last call; called where the loop syncs anyway (health.py)."""
@@ -640,8 +736,13 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                     postfix["mfu"] = f"{row['mfu']:.0%}"
                 progress.set_postfix(**postfix)
                 _log_row(accelerator, metrics_path, row)
-                for warning in stuck.observe(step, row["loss"], row["grad_norm"], row["lr"]):
+                for warning in stuck.observe(step, row["loss"], row["grad_norm"]):
                     log(f"warning: {warning}")
+                stuck_stop = stuck.stop_message(step)
+                if stuck_stop is not None:  # no checkpoint of the stuck weights: the last good one stays
+                    good = _checkpoint_before(output_dir, stuck.stuck_since)
+                    raise TrainingError(stuck_stop + (f" (model.init_from={good} starts from its last checkpoint "
+                                                      "before that)" if good is not None else ""))
             if step % cfg.eval_every == 0 or stop:
                 check_health()  # evaluation syncs on every batch anyway
                 eval_started = time.time()
@@ -652,9 +753,12 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                     log(f"step {step}: eval loss {row['eval/loss']:.4f} acc_0 {row['eval/acc_0']:.3f} "
                         f"simulated acceptance length {row['eval/sim_accept_len']:.2f}")
                     _log_row(accelerator, metrics_path, row)
-            if step % cfg.save_every == 0 or stop:
+            if step % cfg.save_every == 0 and not stop and stuck.stopping_soon():
+                log(f"step {step}: no checkpoint: the run is stuck since step {stuck.stuck_since} (the last one "
+                    "stays)")
+            elif step % cfg.save_every == 0 or stop:
                 check_health()  # a checkpoint never holds a NaN
-                save_checkpoint(accelerator, drafter, method, recipe, output_dir, state)
+                save_checkpoint(accelerator, drafter, method, recipe, output_dir, state, optimizers)
                 last_saved = step
             if stop:
                 if out_of_time:
@@ -673,7 +777,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     progress.close()
     if last_saved != state["step"]:
         check_health()
-        save_checkpoint(accelerator, drafter, method, recipe, output_dir, state)
+        save_checkpoint(accelerator, drafter, method, recipe, output_dir, state, optimizers)
     accelerator.end_training()
     final = latest_checkpoint(output_dir)
     log(f"done: {state['step']} steps, {state['tokens_seen']} tokens in {(time.time() - started) / 60:.1f} min; "
