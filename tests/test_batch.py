@@ -140,6 +140,7 @@ def test_fixture_ngram_batch_equals_single_runs(fixture_setup):
 
 @pytest.mark.parametrize("tree", [{}, {"dynamic_tree": {"depth": 3, "top_k": 2}, "num_nodes": 5}],
                          ids=["chain", "tree"])
+@pytest.mark.slow
 def test_fixture_eagle3_batch_equals_single_runs(fixture_prompts, accepting_drafter, tree):
     """A drafter that accepts: rows accept different counts per step and finish at different steps (one by EOS
     when this was written), and each row is exactly what it is alone."""

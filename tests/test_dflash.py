@@ -320,6 +320,7 @@ def untrained_checkpoint(folder, target, learned_mask=True, block_size=8, seed=0
     return folder, drafter
 
 
+@pytest.mark.slow
 def test_dflash_is_lossless_with_a_drafter_that_accepts(fixture_prompts, accepting_drafter):
     """Whole blocks accepted, blocks cut short and blocks rejected, and the output is plain greedy decoding's."""
     from conftest import generate_lossless
@@ -335,6 +336,7 @@ def test_dflash_is_lossless_with_a_drafter_that_accepts(fixture_prompts, accepti
     assert m.num_accepted_tokens < m.num_draft_tokens and m.num_accepted_tokens_per_pos[-1] > 0
 
 
+@pytest.mark.slow
 def test_batched_generation_equals_each_request_alone(fixture_prompts, accepting_drafter):
     """Rows of different lengths grow their DFlash context independently, accept their own amounts and finish at
     different steps; each row's output and counters are its own."""

@@ -413,6 +413,7 @@ def test_speculative_config_keys_and_limits(tmp_path):
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dspark_is_lossless_with_a_drafter_that_accepts(fixture_prompts, accepting_drafter):
     """Whole blocks accepted, blocks cut short and blocks rejected, and the output is plain greedy decoding's; the
     confidence cut keeps it lossless and drafts no more than the plain proposal."""

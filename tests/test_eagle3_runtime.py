@@ -53,6 +53,7 @@ def prompts(fixture_target_dir, mt_bench_path):
     return load_prompts(mt_bench_path, tokenizer, limit=3), tokenizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 def test_eagle3_is_lossless_with_a_drafter_that_accepts(fixture_prompts, accepting_drafter, k):
     """Greedy output equals plain decoding with a drafter that accepts a fair share of its drafts, so accepted,

@@ -154,6 +154,7 @@ def test_sampled_draft_chain_graph_equals_the_eager_chain(tmp_path, fixture_targ
     assert any(key[0] == "chain" and key[2] == (0.8, 40, 0.9) for key in graphed._graphs._entries)
 
 
+@pytest.mark.slow
 def test_compiled_decoder_layers_decode_what_the_module_path_decodes(fixture_target_dir, mt_bench_path,
                                                                      recorded_graphs):
     """DRAFTSMITH_COMPILE=1 runs the graphed step's layers through one torch.compile'd function (Inductor's CPU

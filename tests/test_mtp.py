@@ -265,6 +265,7 @@ def test_sequential_modules_cap_the_draft_length(tiny_target):
 
 
 # ---- fixture: lossless runtime, end-to-end training, export ----------------------------------------------------
+@pytest.mark.slow
 def test_mtp_is_lossless_with_a_drafter_that_accepts(fixture_prompts, accepting_drafter):
     """The fixture target with an MTP drafter that accepts (trained on the target's own answers): accepted,
     partly accepted and rejected chains, and the output is plain greedy decoding's."""

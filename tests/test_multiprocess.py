@@ -59,6 +59,7 @@ def runs(tmp_path_factory, fixture_target_dir):
     return tmp, data
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one_on_the_same_global_batch(runs):
     tmp, _ = runs
     one, two = rows(tmp / "one" / "run"), rows(tmp / "two" / "run")
@@ -88,6 +89,7 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_on", [1, 2])
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_on_two(runs, tmp_path, fixture_target_dir, resume_on):
     tmp, data = runs

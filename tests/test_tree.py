@@ -368,6 +368,7 @@ TREES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(TREES))
 def test_eagle3_greedy_tree_decoding_equals_plain_greedy_on_fixture(fixture_prompts, accepting_drafter, kind):
     """Trees of a drafter that accepts: deep paths are accepted, others cut short, and the output is plain
