@@ -255,6 +255,7 @@ def _hub_cache_repo(cache: Path, repo_id: str, files_from: Path) -> Path:
     return repo
 
 
+@pytest.mark.slow
 def test_generate_and_eval_take_hub_ids_for_the_target_and_the_drafter(fixture_target_dir, mt_bench_path, tmp_path):
     """The README's `--target meta-llama/...` used to fail with "no config.json there": Hub ids resolve through
     huggingface_hub as in `train`, here offline from its cache (issue 16, item 13)."""

@@ -290,6 +290,7 @@ def test_a_run_killed_in_the_first_epoch_resumes_its_cache(collected, tmp_path, 
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 def test_mtp_and_dflash_train_from_a_store_as_online(method, tmp_path, fixture_target_dir):
     dump = store_recipe(fixture_target_dir, tmp_path, tmp_path / "store").model_dump()
@@ -310,6 +311,7 @@ TWO_RANK_COLLECT = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_
                     "127.0.0.1", "-m", "draftsmith.collect"]
 
 
+@pytest.mark.slow
 def test_two_processes_collect_disjoint_shards_into_one_store(collected, tmp_path):
     """accelerate launch -m draftsmith.collect on two (CPU, gloo) processes, launched by torchrun."""
     import os
