@@ -19,12 +19,12 @@ import torch
 DEMO_TARGET_DIR = Path(__file__).resolve().parent / "demo_target"  # package data, see its README.md
 DEMO_DRAFT_START = 4000  # ShareGPT records before this trained the demo target; the drafter trains on later ones
 DEMO_PROMPT_START = 16000  # held-out records give the evaluation prompts
-# The demo drafter's training budget: with the venv install and the evaluation, `make demo` fits 10 minutes on a
-# quiet 2-core machine.
+# The demo drafter's training budget: with it, `make demo` from a fresh clone (venv included) took 6.7 minutes on
+# a 2-core machine busy with other jobs, and the drafter accepted 2.16 tokens a step at k=3.
 DEMO_MINUTES = 3.0
 # Samples of at most 256 tokens, one a step, three TTT steps: on a CPU the drafter learns most per minute from many
-# small steps (measured in 2.5 minutes on a loaded 2-core machine: 231 steps of one sample reached a simulated
-# acceptance length of 1.55, 36 steps of eight 1.28, and 512-token samples of four took 12 s a step).
+# small steps (2.5 minutes on one thread of a loaded 2-core machine: 231 steps of one sample reached a simulated
+# acceptance length of 1.55, 36 steps of eight 1.28; 512-token samples four a step took 12 s a step).
 DEMO_MAX_LENGTH = 256
 EVAL_NAME = "held_out"  # the dataset name in eval.json and the PNG's file name
 

@@ -38,6 +38,20 @@ def test_shipped_demo_target_loads_in_float32():
     assert target.vocab_size == len(tokenizer)
 
 
+def test_a_missing_demo_target_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    import argparse
+
+    from draftsmith import quickstart
+
+    monkeypatch.setattr(quickstart, "DEMO_TARGET_DIR", tmp_path / "demo_target")
+    parser = argparse.ArgumentParser()
+    quickstart.add_quickstart_args(parser)
+    with pytest.raises(quickstart.QuickstartError, match="scripts/build_demo_target.py") as info:
+        quickstart.run_quickstart(parser.parse_args(["--out", str(tmp_path / "run"), "--device", "cpu"]))
+    assert str(tmp_path / "demo_target") in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_wheel_ships_the_demo_target(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO / "draftsmith", src / "draftsmith", ignore=shutil.ignore_patterns("__pycache__"))
