@@ -202,9 +202,10 @@ class RuntimeBackend:
         self.sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else None
         self.max_tokens, self.temperature, self.batch_size = max_tokens, temperature, batch_size
         self.window = 4 * batch_size  # sorted by prompt length, then decoded batch_size at a time
-        self.context = getattr(self.target.config, "max_position_embeddings", None)
 
     def run(self, conversations: list[list[Message]]) -> list[list[Message] | RequestFailed]:
+        from draftsmith.models.target import prompt_overflow
+
         outs: list[list[Message]] = [[] for _ in conversations]
         pending = [list(m) for m in conversations]  # what is left of each conversation, in order
         failed: dict[int, RequestFailed] = {}
@@ -219,9 +220,9 @@ class RuntimeBackend:
             for r in rows:
                 rendered = self.tokenizer.apply_chat_template(outs[r], add_generation_prompt=True, tokenize=False)
                 prompts[r] = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-                if self.context and len(prompts[r]) + self.max_tokens > self.context:
-                    failed[r] = RequestFailed(f"a prompt of {len(prompts[r])} tokens plus --max-new-tokens "
-                                              f"{self.max_tokens} exceeds the target's context of {self.context}")
+                overflow = prompt_overflow(len(prompts[r]), self.max_tokens, self.target.config)
+                if overflow:  # the runtime's one context rule (models/target.py), as generate and eval apply it
+                    failed[r] = RequestFailed(overflow)
             rows = sorted((r for r in rows if r not in failed), key=lambda r: len(prompts[r]))
             for start in range(0, len(rows), self.batch_size):
                 batch = rows[start: start + self.batch_size]

@@ -36,6 +36,10 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1: all)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one)")
+    p.add_argument("--truncate-prompts", action="store_true",
+                   help="cut a prompt too long for the target's context with --max-new-tokens to its last "
+                        "(context - max-new-tokens) tokens, as vLLM's truncate_prompt_tokens keeps the end, instead "
+                        "of refusing it")
 
 
 def _sampling(args: argparse.Namespace):
@@ -94,8 +98,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                         "for the model card of `draftsmith export`")
 
 
-def _load(args: argparse.Namespace, spec_texts: list[str]):
-    """Validate the cheap things first (configs, paths, sizes), then load the tokenizer and the target."""
+def _prepare(args: argparse.Namespace, spec_texts: list[str]):
+    """(device, configs, tokenizer, the target's config.json) with the cheap things validated (configs, paths,
+    sizes, each k against the target's context), before any model is loaded."""
     from draftsmith import device as dev
     from draftsmith.inference.spec_config import parse_spec_config
 
@@ -104,7 +109,31 @@ def _load(args: argparse.Namespace, spec_texts: list[str]):
     specs = [parse_spec_config(text, device_type=device.type) for text in spec_texts]
     _check_drafters_reachable(specs)
     tokenizer = _load_tokenizer(args.target)
-    return specs, tokenizer, _load_target(args, device)
+    config = _target_config(args.target)
+    _check_speculative_tokens(specs, config)
+    return device, specs, tokenizer, config
+
+
+def _target_config(target: str):
+    """The config.json of --target (its context length, read before the weights are)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"--target {target}: cannot read its config.json: {str(e).splitlines()[0]}") from None
+
+
+def _check_speculative_tokens(specs, target_config) -> None:
+    """Every config's k against the target's context (`target.check_num_speculative_tokens`); the method's own limit
+    is its proposer factory's."""
+    from draftsmith.models.target import check_num_speculative_tokens
+
+    for i, spec in enumerate(specs, 1):
+        try:
+            check_num_speculative_tokens(spec.num_speculative_tokens, target_config)
+        except ValueError as e:
+            raise CommandError(f"{e}{f' [--speculative-config #{i}]' if len(specs) > 1 else ''}") from None
 
 
 def _load_target(args: argparse.Namespace, device):
@@ -145,17 +174,20 @@ def _load_tokenizer(target: str):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from draftsmith.inference.eval import eos_token_ids, render_prompt
+    from draftsmith.inference.eval import PromptRecord, eos_token_ids, fit_prompts, render_prompt
     from draftsmith.inference.generator import SpeculativeGenerator
     from draftsmith.inference.spec_config import build_proposer
 
     spec_texts = [args.speculative_config] if args.speculative_config is not None else []
     sampling = _sampling(args)
-    specs, tokenizer, target = _load(args, spec_texts)
+    device, specs, tokenizer, config = _prepare(args, spec_texts)
+    records = [PromptRecord(f"--prompt #{i}" if len(args.prompt) > 1 else "--prompt", text,
+                            render_prompt(tokenizer, text)) for i, text in enumerate(args.prompt, 1)]
+    prompts = fit_prompts(records, args.max_new_tokens, config, args.truncate_prompts)
+    target = _load_target(args, device)
     spec = specs[0] if specs else None
     proposer = build_proposer(spec, target) if spec is not None else None
     generator = SpeculativeGenerator(target, proposer, spec.num_speculative_tokens if spec else 0)
-    prompts = [render_prompt(tokenizer, prompt) for prompt in args.prompt]
     eos = eos_token_ids(target, tokenizer)
     if len(prompts) == 1:
         results = [generator.generate(torch.tensor(prompts), args.max_new_tokens, eos, sampling=sampling)]
@@ -183,15 +215,16 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_eval_command(args: argparse.Namespace) -> int:
     """Sweep configs x proposal lengths x datasets in one process; write eval.json, eval.txt and one PNG per dataset.
 
-    Everything that can be wrong in the arguments (configs, lengths, dataset files and lines) fails before the
-    target is loaded.
+    Everything that can be wrong in the arguments (configs, lengths, each k and every prompt against the target's
+    context, dataset files and lines) fails before the target is loaded.
     """
     from draftsmith import device as dev
     from draftsmith.inference.eval import (
         drafter_eval_results,
         expand_spec_configs,
-        load_prompts,
+        fit_prompts,
         name_datasets,
+        read_prompts,
         run_sweep,
         write_eval_json,
     )
@@ -210,7 +243,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
     _check_drafters_reachable(specs)
     paths = name_datasets(args.dataset)
     tokenizer = _load_tokenizer(args.target)
-    prompts = {name: load_prompts(path, tokenizer, limit=args.num_prompts, skip_malformed=args.skip_malformed)
+    config = _target_config(args.target)
+    _check_speculative_tokens(specs, config)
+    prompts = {name: fit_prompts(read_prompts(path, tokenizer, limit=args.num_prompts,
+                                              skip_malformed=args.skip_malformed),
+                                 args.max_new_tokens, config, args.truncate_prompts, label=f"--dataset {name}")
                for name, path in paths.items()}
     target = _load_target(args, device)
 

@@ -20,6 +20,7 @@ import shlex
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,10 @@ from draftsmith.models.checkpoint import (
     resolve_checkpoint,
     write_json_atomic,
 )
+from draftsmith.models.target import context_length_of, prompt_overflow
 
 WARMUP_TOKENS = 8  # each generator first runs one short untimed generation: start-up costs stay out of tok/s
+TRUNCATE_PROMPTS_FLAG = "--truncate-prompts"
 
 
 class EvalError(ValueError):
@@ -72,11 +75,11 @@ def eos_token_ids(target, tokenizer) -> set[int]:
 SKIP_MALFORMED_FLAG = "--skip-malformed"
 
 
-def _first_user_turns(path: Path, limit: int | None, skip_malformed: bool = False) -> list[str]:
+def _first_user_turns(path: Path, limit: int | None, skip_malformed: bool = False) -> list[tuple[str, str]]:
     """The first user turn of each record (data/conversations.py: `iter_prompts` reads MT-bench `turns`, HumanEval
     `prompt`, `question`, `instruction` and conversation records); a record that is no prompt stops the run with its
-    line, or is skipped and counted with `skip_malformed`."""
-    texts: list[str] = []
+    line, or is skipped and counted with `skip_malformed`. Each as ("path:line", text)."""
+    texts: list[tuple[str, str]] = []
     skipped: Counter = Counter()
     with contextlib.closing(iter_prompts(path)) as records:
         for where, text, reason in records:
@@ -87,7 +90,7 @@ def _first_user_turns(path: Path, limit: int | None, skip_malformed: bool = Fals
                     raise EvalError(f"{where}: {reason} (pass {SKIP_MALFORMED_FLAG} to skip such records)")
                 skipped[reason] += 1
                 continue
-            texts.append(text)
+            texts.append((where, text))
     if not texts:
         why = "; ".join(f"skipped {n}: {r}" for r, n in skipped.most_common()) or "empty file"
         raise EvalError(f"{path}: no prompts ({why})")
@@ -97,15 +100,65 @@ def _first_user_turns(path: Path, limit: int | None, skip_malformed: bool = Fals
     return texts
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None, skip_malformed: bool = False
-                 ) -> list[list[int]]:
-    """The first user turn of each record, rendered for generation; at most `limit` prompts."""
+@dataclass
+class PromptRecord:
+    where: str  # what names it in a message: "path:line", or "--prompt #2"
+    text: str  # the user turn as written
+    ids: list[int]  # rendered for generation (chat template and assistant header)
+
+
+def read_prompts(path: str | Path, tokenizer, limit: int | None = None, skip_malformed: bool = False
+                 ) -> list[PromptRecord]:
+    """The first user turn of each record with its place in the file, rendered for generation; at most `limit`."""
     path = Path(path)
     if not path.is_file():
         raise EvalError(f"{path}: prompt file not found")
     if limit is not None and limit < 1:
         raise EvalError(f"number of prompts must be >= 1, got {limit}")
-    return [render_prompt(tokenizer, text) for text in _first_user_turns(path, limit, skip_malformed)]
+    return [PromptRecord(where, text, render_prompt(tokenizer, text))
+            for where, text in _first_user_turns(path, limit, skip_malformed)]
+
+
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None, skip_malformed: bool = False
+                 ) -> list[list[int]]:
+    """The first user turn of each record, rendered for generation; at most `limit` prompts."""
+    return [record.ids for record in read_prompts(path, tokenizer, limit, skip_malformed)]
+
+
+def _first_words(text: str, length: int = 40) -> str:
+    words = " ".join(text.split())
+    return words if len(words) <= length else words[: length - 3].rstrip() + "..."
+
+
+def fit_prompts(records: Sequence[PromptRecord], max_new_tokens: int, target_config, truncate: bool = False,
+                label: str = "") -> list[list[int]]:
+    """The ids of every prompt that fits the target's context with `max_new_tokens` (`target.prompt_overflow`,
+    the rule generate, eval and regenerate share); the first that does not is refused in one line naming it, or,
+    with `truncate`, every such prompt keeps its last (context - max_new_tokens) tokens, as vLLM's
+    truncate_prompt_tokens keeps the end: the question's last words and the assistant header, which the answer
+    continues. `label` names the prompt set ("--dataset NAME") in messages."""
+    context = context_length_of(target_config)
+    if context is not None and max_new_tokens >= context:
+        raise EvalError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's context of "
+                        f"{context} tokens: use --max-new-tokens <= {context - 1}")
+    fitted, cut = [], 0
+    for record in records:
+        overflow = prompt_overflow(len(record.ids), max_new_tokens, target_config)
+        if overflow is None:
+            fitted.append(record.ids)
+            continue
+        keep = context - max_new_tokens
+        if not truncate:
+            where = f"{label}, {record.where}" if label else record.where
+            raise EvalError(f"{where} ({_first_words(record.text)!r}): {overflow}: shorten it, lower "
+                            f"--max-new-tokens, or pass {TRUNCATE_PROMPTS_FLAG} to keep its last {keep} tokens")
+        fitted.append(record.ids[-keep:])
+        cut += 1
+    if cut:
+        print(f"{label or 'prompts'}: cut {cut} prompt(s) to their last {context - max_new_tokens} tokens, which fit "
+              f"the target's context of {context} with --max-new-tokens {max_new_tokens} ({TRUNCATE_PROMPTS_FLAG})",
+              file=sys.stderr)
+    return fitted
 
 
 def name_datasets(entries: Sequence[str]) -> dict[str, Path]:
@@ -214,12 +267,15 @@ def _measure(target, spec: SpecConfig | None, prompts, max_new_tokens, eos, desc
     `batch_size` at a time (rows of different lengths finishing at different steps).
 
     The untimed warm-up runs on a throwaway generator, and the timed run on a fresh one, so what a proposer
-    learns across requests (suffix's global trie) comes from the measured prompts alone, in order. A batch's wall
+    learns across requests (suffix's global trie) comes from the measured prompts alone, in order. The warm-up is
+    long enough to draft as wide as the timed run (`draft_width`), so it records the same graphs. A batch's wall
     time is counted once: tokens/s is the throughput at that concurrency.
     """
-    _generate(_generator(target, spec), prompts[:batch_size], WARMUP_TOKENS, eos, sampling)
+    warmup = _generator(target, spec)
+    _generate(warmup, prompts[:batch_size], min(max_new_tokens, max(WARMUP_TOKENS, warmup.k)), eos, sampling)
     generator = _generator(target, spec)
-    outputs, metrics, seconds, steps = [], SpecDecodingMetrics(generator.k), 0.0, 0
+    outputs, seconds, steps = [], 0.0, 0
+    metrics = SpecDecodingMetrics(generator.draft_width(max_new_tokens))
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
         results = _generate(generator, batch, max_new_tokens, eos, sampling)

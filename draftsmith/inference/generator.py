@@ -12,14 +12,24 @@ leaves invalid slots behind ("holes"); a finished row keeps riding along, invali
 the pointer reaches the end of the cache, every row's valid slots are gathered to the front (`_defragment`).
 A single request never has holes, so it runs with the plain causal mask and no bookkeeping at all.
 
+Context. A request must fit the target's context with all it may generate (prompt + max_new_tokens <= context,
+`target.prompt_overflow`, vLLM's rule for max_model_len); drafts need no room of their own: as vLLM's scheduler
+does, a step verifies only the drafts after which the row, bonus token included, still fits (a chain is cut, a
+tree loses its deeper nodes). That trim happens only in a request's last steps, when the prompt nearly fills the
+context.
+
 Metrics (vLLM's counters, `metrics.py`), per request, counted as vLLM counts them: every step drafts k tokens, the
 last one of a request too, and accepted drafts past max_new_tokens are counted though never output. A chain step
-counts its drafts as `num_draft_tokens`. A
-tree step counts every tree node it verified (the nodes within depth k), as vLLM does for its static
-trees, whose `num_speculative_tokens` is the node count; `num_accepted_tokens` is the accepted path's length and
-`num_accepted_tokens_per_pos[i]` counts steps whose path reached depth i+1. So for trees the mean acceptance
-length (1 + accepted / drafts) compares directly with chains, while the draft acceptance rate (accepted / draft
-tokens) is low by construction: most nodes lie off the accepted path.
+counts its drafts as `num_draft_tokens`. A tree step counts every tree node it verified (the nodes within depth k),
+as vLLM does for its static trees, whose `num_speculative_tokens` is the node count; `num_accepted_tokens` is the
+accepted path's length and `num_accepted_tokens_per_pos[i]` counts steps whose path reached depth i+1. So for trees
+the mean acceptance length (1 + accepted / drafts) compares directly with chains, while the draft acceptance rate
+(accepted / draft tokens) is low by construction: most nodes lie off the accepted path.
+
+One departure from vLLM: a k above max_new_tokens drafts max_new_tokens a step (`draft_width`; a tree is that deep
+at most), since no more can ever be output, where vLLM's k would cost a drafter loop and a target step
+proportional to k (num_speculative_tokens 100000 with 8 new tokens once ran for minutes); a chain's
+`num_spec_tokens` is then that width.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from draftsmith.inference.sampling import GREEDY, Sampler, SamplingParams
 from draftsmith.inference.tree import ancestor_mask, causal_mask, compact_kv, node_depths, step_attention_mask
 from draftsmith.inference.verify import (greedy_tree_verify, greedy_verify, rejection_verify,
                                          sampling_tree_verify)
+from draftsmith.models.target import TargetError, check_num_speculative_tokens, context_length_of, prompt_overflow
 
 
 @dataclass
@@ -61,11 +72,19 @@ class _StepDrafts:
 
 class SpeculativeGenerator:
     def __init__(self, target, proposer: Proposer | None, num_speculative_tokens: int):
+        """Refuses a k the target's context can never verify (`target.check_num_speculative_tokens`)."""
         if proposer is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with a proposer, got {num_speculative_tokens}")
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
+        if self.k:
+            check_num_speculative_tokens(self.k, target.config)
+
+    def draft_width(self, max_new_tokens: int) -> int:
+        """Drafts a step of a generation of `max_new_tokens` asks for: k, or max_new_tokens when k is larger (drafts
+        past it could never be output). What a warm-up must also ask for to record the same graphs."""
+        return min(self.k, max(max_new_tokens, 0))
 
     def generate(self, prompt_ids: Tensor, max_new_tokens: int, eos_token_ids: set[int] | None = None,
                  sampling: SamplingParams | None = None) -> GenerationResult:
@@ -104,7 +123,13 @@ class SpeculativeGenerator:
         rows = [torch.as_tensor(p, dtype=torch.long).flatten().cpu() for p in prompts]
         if not rows or any(r.numel() < 1 for r in rows):
             raise ValueError("generate_batch: need at least one prompt, each of at least one token")
-        target, proposer, k = self.target, self.proposer, self.k
+        target, proposer = self.target, self.proposer
+        k = self.draft_width(max_new_tokens)  # the drafts a step asks for, whatever num_speculative_tokens says
+        for b, r in enumerate(rows):
+            overflow = prompt_overflow(r.numel(), max_new_tokens, target.config)
+            if overflow:
+                raise TargetError(f"prompt {b}: {overflow}: shorten it or lower max_new_tokens")
+        context = context_length_of(target.config)
         device = target.device
         batch = len(rows)
         eos = eos_token_ids or set()
@@ -125,7 +150,7 @@ class SpeculativeGenerator:
             ids[b, pads[b]:] = r
         ids = ids.to(device)
         aux_ids = proposer.aux_layer_ids if proposer is not None else None
-        cache = target.new_cache(batch, width + max_new_tokens + k + 1)
+        cache = target.new_cache(batch, width + max_new_tokens + k + 1)  # a wider tree grows it (`_grown`)
         valid = None  # (B, T_max) bool per-row valid slots; None while every slot < cache.length is valid
         if ragged:
             valid = torch.zeros(batch, cache.max_length, dtype=torch.bool, device=device)
@@ -162,9 +187,15 @@ class SpeculativeGenerator:
             num_drafts = k
             proposal = proposer.propose(num_drafts) if proposer is not None else None
             drafts = _step_drafts(proposal, num_drafts, batch, device)
+            # vLLM's trim: the drafts after which a row, bonus token included, still fits the context (c + w + 1).
+            rooms = None if context is None else [context - 2 - p for p in positions_host]
+            if rooms is not None and drafts.parents is None:
+                drafts = _cut_chains(drafts, rooms, active)
             width = drafts.token_ids.shape[1]
-            if cache.length + width + 1 > cache.max_length:
+            if cache.length + width + 1 > cache.max_length and valid is not None:
                 valid = _defragment(cache, valid)
+            if cache.length + width + 1 > cache.max_length:  # a tree of more nodes than the chains it was sized for
+                cache, valid = _grown(target, cache, valid, cache.max_length + width)
             base = cache.length
             holes = valid is not None
             row_positions = torch.tensor(positions_host, device=device)[:, None] if holes else base  # of `last`
@@ -176,6 +207,9 @@ class SpeculativeGenerator:
                 # Only the levels k allows are verified: a deeper node (and so its subtree) turns invalid. Its mask
                 # row may stay: no valid node has it as an ancestor, and an invalid node is never accepted.
                 node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= num_drafts)
+                if rooms is not None and min(r for r, on in zip(rooms, active) if on) < num_drafts:
+                    room_t = torch.tensor(rooms, device=device)[:, None]  # (B, 1) a copy only near the end
+                    node_valid = node_valid & (node_depths(ancestors)[:, 1:] <= room_t)
                 out = target.step(step_ids, cache, aux_layer_ids=aux_ids,
                                   attention_mask=step_attention_mask(ancestors, valid, base),
                                   position_ids=row_positions + node_depths(ancestors))
@@ -215,6 +249,8 @@ class SpeculativeGenerator:
                     continue
                 steps[b] += 1
                 if drafted_h[b] > 0:  # a step with no drafts is not a draft (vLLM)
+                    if drafted_h[b] > metrics[b].num_spec_tokens:  # a tree: its nodes count against k, its node count
+                        metrics[b] = metrics[b].merge(SpecDecodingMetrics(num_spec_tokens=self.k))
                     metrics[b].observe_draft(drafted_h[b], accepted_h[b])
                 new_tokens = tokens_h[b][: kept[b]][: max_new_tokens - len(outputs[b])]
                 hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
@@ -304,10 +340,37 @@ def _step_drafts(proposal: Proposal | None, num_drafts: int, batch: int, device:
     )
 
 
-def _defragment(cache, valid: Tensor | None) -> Tensor | None:
+def _cut_chains(drafts: _StepDrafts, rooms: list[int], active: list[bool]) -> _StepDrafts:
+    """Chains cut to each row's room in the context (`rooms`, drafts that fit); unchanged, with no copy to the
+    device, while every running row has room for all of them, as in every step but a long request's last ones."""
+    width = drafts.token_ids.shape[1]
+    running = [room for room, on in zip(rooms, active) if on]
+    if not running or min(running) >= width:
+        return drafts
+    widest = max(0, min(width, max(running)))
+    room_t = torch.tensor([min(max(0, room), widest) for room in rooms], device=drafts.lengths.device)  # (B,)
+    return _StepDrafts(token_ids=drafts.token_ids[:, :widest], lengths=torch.minimum(drafts.lengths, room_t),
+                       parents=None, draft_probs=None if drafts.draft_probs is None else drafts.draft_probs[:, :widest],
+                       depth=drafts.depth)
+
+
+def _grown(target, cache, valid: Tensor | None, max_length: int):
+    """(a cache of `max_length` slots holding `cache`'s, the validity widened to it): a step wider than the cache
+    was sized for, a draft tree of more nodes than max_new_tokens, say."""
+    bigger = target.new_cache(cache.keys.shape[1], max_length)
+    length = cache.length
+    bigger.keys[:, :, :, :length] = cache.keys[:, :, :, :length]
+    bigger.values[:, :, :, :length] = cache.values[:, :, :, :length]
+    bigger.length = length
+    if valid is not None:
+        wider = torch.zeros(valid.shape[0], bigger.max_length, dtype=torch.bool, device=valid.device)
+        wider[:, : valid.shape[1]] = valid
+        valid = wider
+    return bigger, valid
+
+
+def _defragment(cache, valid: Tensor) -> Tensor | None:
     """Gather every row's valid slots to the front of the cache; returns the new validity (None: no holes)."""
-    if valid is None:
-        raise ValueError(f"KV cache full at {cache.length} positions without holes; allocate a longer cache")
     length = cache.length
     counts = valid[:, :length].sum(dim=-1)  # (B,)
     order = torch.sort((~valid[:, :length]).to(torch.int8), dim=-1, stable=True).indices  # valid slots first

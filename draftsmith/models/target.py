@@ -61,6 +61,54 @@ def sliding_window_of(config) -> int | None:
     return int(window)
 
 
+def context_length_of(config) -> int | None:
+    """Tokens one request may hold in draftsmith's runtime, prompt and output together: the target's
+    max_position_embeddings, or its sliding window when that is smaller (the runtime attends to the whole context,
+    which is sliding-window attention only inside the window); None when the config states neither. The one context
+    limit of the runtime: generate, eval, regenerate and `SpeculativeGenerator` all read it from here."""
+    limits = [n for n in (getattr(config, "max_position_embeddings", None), sliding_window_of(config)) if n]
+    return min(int(n) for n in limits) if limits else None
+
+
+def _context_words(config) -> str:
+    """The context named in a message, with why when the sliding window sets it."""
+    context, window = context_length_of(config), sliding_window_of(config)
+    why = (f" (it uses sliding-window attention ({window} tokens), which draftsmith's runtime matches only inside "
+           "the window)" if window is not None and window == context else "")
+    return f"the target's context of {context} tokens{why}"
+
+
+def prompt_overflow(prompt_length: int, max_new_tokens: int, config) -> str | None:
+    """Why a prompt cannot be served within the target's context, or None when it can.
+
+    vLLM's rule for max_model_len: the prompt and every token it may generate fit, prompt + max_new_tokens <=
+    context. Drafts need no room of their own: the runtime verifies only the drafts that fit, as vLLM's scheduler
+    trims them (`SpeculativeGenerator`)."""
+    context = context_length_of(config)
+    if context is None or prompt_length + max_new_tokens <= context:
+        return None
+    return (f"a prompt of {prompt_length} tokens plus max_new_tokens {max_new_tokens} exceeds "
+            f"{_context_words(config)}")
+
+
+def max_speculative_tokens(config) -> int | None:
+    """The largest num_speculative_tokens the target's context can ever verify, or None (no limit known): a step
+    of the shortest request holds its one prompt token, its first output token, k drafts and the bonus token, and
+    vLLM keeps a request, bonus token included, within the context."""
+    context = context_length_of(config)
+    return None if context is None else context - 3
+
+
+def check_num_speculative_tokens(num_speculative_tokens: int, config) -> None:
+    """Refuse a k that the target's context could never verify (the method's own limit, a DFlash block say, is
+    its proposer factory's to check)."""
+    limit = max_speculative_tokens(config)
+    if limit is not None and num_speculative_tokens > limit:
+        raise TargetError(f"speculative config: num_speculative_tokens={num_speculative_tokens} can never be "
+                          f"verified within {_context_words(config)} (a step holds k + 3 tokens at least): use "
+                          f"num_speculative_tokens <= {max(limit, 0)}")
+
+
 class KVCache:
     """Preallocated keys and values of every target layer; positions `[0, length)` are valid.
 
@@ -267,9 +315,8 @@ class TargetModel:
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty cache. On CUDA the cache of each batch size is pooled (reset and reused while it is long
         enough, grown in steps of CACHE_GRANULE), so graphs captured on it stay valid across requests; a
-        TargetModel therefore serves one live request per batch size at a time. A request longer than a sliding
-        window is refused here, before any token is generated (the cache holds one slot of slack)."""
-        self.check_positions(max_length - 1)
+        TargetModel therefore serves one live request per batch size at a time. Its slots are not positions (a
+        draft tree takes a slot per node): a request is held to the context by `prompt_overflow`."""
         if not self._graphs_on:
             return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
                            self.dtype, self.device)

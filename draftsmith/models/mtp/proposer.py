@@ -58,6 +58,7 @@ class MtpProposer:
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.rows: list[_Row] = []
+        self._cache_length = INITIAL_CACHE_LENGTH  # slots of a depth's cache made for this request (`begin`)
         self._graphs_on = dev.graphs_supported(self.device)
         self._graphs = dev.GraphPool()  # one request: (depth, positions run, cache id) -> graph of one depth
         self._kept_caches: list[KVCache] = []  # one request's per-depth caches, kept so the graphs stay valid
@@ -76,25 +77,39 @@ class MtpProposer:
         return cls(drafter, target.embed_tokens, target.final_norm, target.lm_head, spec.num_speculative_tokens)
 
     def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:
+        """Per-depth state (a cache each) is made when `propose` first reaches that depth: a recursive drafter takes
+        any k, and the runtime asks for fewer when max_new_tokens is smaller."""
         length = max(INITIAL_CACHE_LENGTH, 2 * prompt_ids.shape[1])
-        hidden = self.drafter.config.hidden_size
         self.rows = []
+        self._cache_length = length
         single = self._graphs_on and prompt_ids.shape[0] == 1
         if single and not (self._kept_caches and self._kept_caches[0].max_length >= length):
             self._graphs.clear()
-            self._kept_caches = [self.drafter.new_cache(1, length, self.dtype, self.device)
-                                 for _ in range(self.num_depths)]
+            self._kept_caches = []
         for cache in self._kept_caches if single else []:
             cache.length = 0
         for row in prompt_ids.to(self.device, torch.long):
             self.rows.append(_Row(
-                caches=list(self._kept_caches) if single else
-                [self.drafter.new_cache(1, length, self.dtype, self.device) for _ in range(self.num_depths)],
-                committed=[0] * self.num_depths,
-                pending=[torch.empty(1, 0, hidden, dtype=self.dtype, device=self.device)
-                         for _ in range(self.num_depths + 1)],
+                caches=list(self._kept_caches) if single else [],
+                committed=[0],
+                pending=[self._no_hidden()],
                 tokens=row[row != PAD_DRAFT_TOKEN][None] if prompt_ids.shape[0] > 1 else row[None],
             ))
+
+    def _no_hidden(self) -> torch.Tensor:
+        return torch.empty(1, 0, self.drafter.config.hidden_size, dtype=self.dtype, device=self.device)
+
+    def _reach(self, row: "_Row", num: int) -> None:
+        """`row`'s state for depths 1..num: a depth not run yet starts as `begin` would have made it (nothing
+        committed, no pending states), which is what its state is until it first runs."""
+        single = self._graphs_on and len(self.rows) == 1  # the row holds every kept cache already (`begin`)
+        while len(row.caches) < num:
+            cache = self.drafter.new_cache(1, self._cache_length, self.dtype, self.device)
+            row.caches.append(cache)
+            if single:
+                self._kept_caches.append(cache)  # kept across requests, with the graphs recorded on it
+        row.committed += [0] * (num - len(row.committed))
+        row.pending += [self._no_hidden() for _ in range(num + 1 - len(row.pending))]
 
     def extend(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         if aux_hidden is None:
@@ -131,6 +146,7 @@ class MtpProposer:
 
     def _propose_row(self, row: "_Row", num: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts (1, num), their log-probs (1, num)) for one row, updating its committed per-depth state."""
+        self._reach(row, num)
         p = row.paired
         sequence = row.tokens  # (1, p+1), drafts appended below: index p+j holds d_j
         speculative = row.pending[0][:, :0]  # h^{d-1} at positions beyond depth d-1's committed ones
