@@ -1,7 +1,9 @@
-"""Every export and method in the real vLLM engine: it loads with no missing or unexpected weights, its greedy
-outputs equal vLLM's plain decoding and draftsmith's runtime token for token, and its spec-decode counters
-(`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, per position) equal draftsmith's `SpeculativeGenerator`
-on the same prompts, k and drafter (float32). The drafters are trained to accept (tests/conftest.py), so the
+"""Every export and method in the real vLLM engine: its log shows the drafter's weights loaded, none missing or
+unexpected; its greedy outputs equal vLLM's plain decoding and draftsmith's runtime token for token; and its
+spec-decode counters (`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, per position) equal draftsmith's
+`SpeculativeGenerator` on the same prompts and k, float32. draftsmith runs the *training checkpoint* the export was
+made from, never the export itself: run on the export, both engines would draft from whatever layers, token or
+tensors the export got wrong and still agree. The drafters are trained to accept (tests/conftest.py), so the
 counters measure acceptance, not only rejection. Run with `make interop`.
 """
 
@@ -22,6 +24,7 @@ from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 MATRIX: list[dict] = []  # one row per test, printed at the end of the run
+COUNTED: dict[str, tuple[dict, dict]] = {}  # check()'s name -> (vLLM's counters, draftsmith's), kept on failure too
 
 
 def draftsmith_run(target, prompts, spec: dict, eos) -> tuple[list[list[int]], dict]:
@@ -49,15 +52,20 @@ def plain_vllm(fixture_prompts):
     return outputs
 
 
-def check(name, fixture_prompts, plain_vllm, spec: dict, model=None, max_num_seqs=None):
-    """Run vLLM and draftsmith on the same config; assert loading, outputs and counters; record a matrix row."""
+def check(name, fixture_prompts, plain_vllm, spec: dict, *, checkpoint: Path | None, model=None,
+          max_num_seqs=None):
+    """Run vLLM on `spec` (its "model" the export) and draftsmith on the same config with "model" the training
+    `checkpoint` the export came from (None for model-free methods); assert loading, outputs and counters; record a
+    matrix row."""
     target, _, prompts, answers, eos = fixture_prompts
     started = time.time()
     outputs, counters, lines = run_vllm(target.name_or_path, prompts, spec if model is None else None, model=model,
                                         max_num_seqs=max_num_seqs)
     seconds = time.time() - started
-    ours, our_counters = draftsmith_run(target, prompts, dict(spec), eos)
-    problems = load_problems(lines)
+    ours, our_counters = draftsmith_run(target, prompts, spec if checkpoint is None else
+                                        {**spec, "model": str(checkpoint)}, eos)
+    problems = load_problems(lines, drafter=checkpoint is not None)
+    COUNTED[name] = ({k: counters.get(k) for k in COUNTERS}, our_counters)
     row = {"format or method": name, "loads": not problems, "outputs equal": outputs == plain_vllm == ours,
            "counters equal": {k: counters.get(k) for k in COUNTERS} == our_counters,
            "vLLM tau": round(tau(counters), 3), "draftsmith tau": round(tau(our_counters), 3),
@@ -68,17 +76,33 @@ def check(name, fixture_prompts, plain_vllm, spec: dict, model=None, max_num_seq
     assert plain_vllm == answers  # vLLM's plain decoding is draftsmith's plain decoding, float32
     assert outputs == plain_vllm, "vLLM's speculative outputs differ from its plain decoding"
     assert ours == plain_vllm, "draftsmith's outputs differ from vLLM's plain decoding"
+    assert {k: counters.get(k) for k in COUNTERS} == our_counters, (
+        "vLLM's spec-decode counters differ from draftsmith's run of the training checkpoint")
     assert counters["num_accepted_tokens"] > 0, "the drafter accepted nothing in vLLM: the check would be empty"
-    assert {k: counters.get(k) for k in COUNTERS} == our_counters
     return counters, our_counters
+
+
+def test_the_load_check_needs_the_line_that_shows_the_drafter_loaded():
+    """A log that says nothing about the drafter's weights once passed: only problem lines were searched for."""
+    target_loaded = "INFO [default_loader.py:501] Loading weights took 0.05 seconds"
+    drafter_starts = "INFO [cpu_model_runner.py:75] Loading drafter model..."
+    drafter_loaded = "INFO [default_loader.py:501] Loading weights took 0.01 seconds"
+    assert load_problems([target_loaded, drafter_starts, drafter_loaded], drafter=True) == []
+    assert load_problems([target_loaded, drafter_starts], drafter=True)  # the target's line does not count
+    assert load_problems([target_loaded], drafter=True)
+    assert load_problems([], drafter=True)
+    assert load_problems([target_loaded], drafter=False) == []  # n-gram, suffix: no drafter to load
+    assert load_problems([target_loaded, drafter_starts, drafter_loaded,
+                          "WARNING Some weights were not initialized: fc.weight"], drafter=True)
 
 
 def test_eagle3_native_layout(fixture_prompts, plain_vllm, accepting_drafter, tmp_path):
     from draftsmith.models.eagle3.export import export_native_eagle3
 
-    export_native_eagle3(accepting_drafter("eagle3"), tmp_path / "native", dtype=None)
+    checkpoint = accepting_drafter("eagle3")
+    export_native_eagle3(checkpoint, tmp_path / "native", dtype=None)
     check("eagle3, native (--format sglang)", fixture_prompts, plain_vllm,
-          {"method": "eagle3", "model": str(tmp_path / "native"), "num_speculative_tokens": 3})
+          {"method": "eagle3", "model": str(tmp_path / "native"), "num_speculative_tokens": 3}, checkpoint=checkpoint)
 
 
 def test_eagle3_speculators_layout_with_the_eagle31_norms(fixture_prompts, plain_vllm, accepting_drafter, tmp_path):
@@ -86,26 +110,29 @@ def test_eagle3_speculators_layout_with_the_eagle31_norms(fixture_prompts, plain
     norm_before_fc / norm_before_residual / norm_output variants as draftsmith trained them."""
     from draftsmith.models.eagle3.speculators import export_speculators
 
-    export_speculators(accepting_drafter("eagle3_norms"), tmp_path / "speculators", dtype=None)
+    checkpoint = accepting_drafter("eagle3_norms")
+    export_speculators(checkpoint, tmp_path / "speculators", dtype=None)
     config = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert config["norm_before_fc"] and config["norm_before_residual"] and config["norm_output"]
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     check("eagle3, speculators layout (EAGLE 3.1 norms)", fixture_prompts, plain_vllm,
           {"method": "eagle3", "model": str(tmp_path / "speculators"), "num_speculative_tokens": k},
-          model=str(tmp_path / "speculators"))
+          checkpoint=checkpoint, model=str(tmp_path / "speculators"))
 
 
 def test_dflash(fixture_prompts, plain_vllm, accepting_drafter, tmp_path):
     from draftsmith.models.dflash.export import export_dflash
 
-    export_dflash(accepting_drafter("dflash"), tmp_path / "dflash", dtype=None)
+    checkpoint = accepting_drafter("dflash")
+    export_dflash(checkpoint, tmp_path / "dflash", dtype=None)
     check("dflash", fixture_prompts, plain_vllm,
-          {"method": "dflash", "model": str(tmp_path / "dflash"), "num_speculative_tokens": 3})
+          {"method": "dflash", "model": str(tmp_path / "dflash"), "num_speculative_tokens": 3}, checkpoint=checkpoint)
 
 
 def test_ngram(fixture_prompts, plain_vllm):
     check("ngram", fixture_prompts, plain_vllm,
-          {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+          {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+          checkpoint=None)
 
 
 def test_mtp_on_a_target_without_native_mtp_weights_is_refused_by_vllm(fixture_prompts, accepting_drafter,
@@ -170,7 +197,7 @@ def test_mtp_native_deepseek_v3_layout(fixture_prompts, tmp_path):
     spec = {"method": "mtp", "model": str(tmp_path / "mtp"), "num_speculative_tokens": 1}
     outputs, counters, lines = run_vllm(str(folder), prompts, spec, dtype="bfloat16")
     seconds = time.time() - started
-    problems = load_problems(lines)
+    problems = load_problems(lines, drafter=True)
     MATRIX.append({"format or method": "mtp, native DeepSeek-V3 layout (bf16)", "loads": not problems,
                    "outputs equal": outputs == plain, "counters equal": "n/a (draftsmith's runtime runs no MLA)",
                    "vLLM tau": round(tau(counters), 3), "CPU seconds": round(seconds, 1)})
@@ -180,31 +207,36 @@ def test_mtp_native_deepseek_v3_layout(fixture_prompts, tmp_path):
     assert counters["num_accepted_tokens"] > 0, "the MTP drafter accepted nothing in vLLM"
 
 
-def test_negative_control_wrong_aux_ids_load_but_counters_differ(fixture_prompts, plain_vllm,
-                                                                accepting_drafter, tmp_path):
-    """The same drafter exported with the wrong aux-layer ids still loads in vLLM, and its outputs stay lossless,
-    but vLLM now drafts from other target layers: its counters no longer equal draftsmith's run of the correct
-    export. So the parity check above can fail."""
+def test_negative_control_an_export_with_wrong_aux_ids_fails_the_check(fixture_prompts, plain_vllm,
+                                                                     accepting_drafter, tmp_path):
+    """An export that writes SGLang's output-convention aux ids under vLLM's capture key (the off-by-one this field
+    is known for) still loads in vLLM and stays lossless, but vLLM drafts from other target layers. draftsmith's
+    runtime run on that same export drafts from the same wrong layers and agrees with vLLM counter for counter:
+    that is why check() runs draftsmith from the training checkpoint, and here it must fail on the counters.
+    (On this 8-layer target neighbouring residual states are close: shifting every id by one layer the other way,
+    [2, 4, 5] -> [3, 5, 6], changes no draft of this drafter, so the control first checks that its slip does.)"""
     from draftsmith.models.eagle3.export import export_native_eagle3
 
     target, _, prompts, _, eos = fixture_prompts
-    export_native_eagle3(accepting_drafter("eagle3"), tmp_path / "right", dtype=None)
+    checkpoint = accepting_drafter("eagle3")
+    export_native_eagle3(checkpoint, tmp_path / "right", dtype=None)
     wrong = tmp_path / "wrong"
     shutil.copytree(tmp_path / "right", wrong)
     config = json.loads((wrong / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]  # were [2, 4, 5]
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 5]
+    output_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # [1, 3, 4]; capture ids [2, 4, 5]
+    config["eagle_aux_hidden_state_layer_ids"] = output_ids
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in output_ids]
     (wrong / "config.json").write_text(json.dumps(config))
-    outputs, counters, _ = run_vllm(target.name_or_path, prompts,
-                                    {"method": "eagle3", "model": str(wrong), "num_speculative_tokens": 3})
-    ours, our_counters = draftsmith_run(target, prompts, {"method": "eagle3", "model": str(tmp_path / "right"),
-                                                          "num_speculative_tokens": 3}, eos)
-    assert outputs == plain_vllm == ours  # still lossless
-    assert {k: counters.get(k) for k in COUNTERS} != our_counters
-    MATRIX.append({"format or method": "negative control: eagle3 with wrong aux ids", "loads": True,
-                   "outputs equal": True, "counters equal": False, "vLLM tau": round(tau(counters), 3),
-                   "draftsmith tau (right ids)": round(tau(our_counters), 3)})
-    print(json.dumps(MATRIX[-1]))
+    spec = {"method": "eagle3", "model": str(wrong), "num_speculative_tokens": 3}
+    _, on_the_export = draftsmith_run(target, prompts, spec, eos)
+    _, on_the_checkpoint = draftsmith_run(target, prompts, {**spec, "model": str(checkpoint)}, eos)
+    assert on_the_export != on_the_checkpoint, "the wrong ids change no draft: this control would prove nothing"
+
+    name = "negative control: eagle3 export with SGLang's aux ids under vLLM's key"
+    with pytest.raises(AssertionError, match="counters differ from draftsmith's run of the training checkpoint"):
+        check(name, fixture_prompts, plain_vllm, spec, checkpoint=checkpoint)
+    assert COUNTED[name][0] == on_the_export  # what the check once compared: it passed
+    MATRIX[-1]["check fails, as it must"] = True
 
 
 def test_suffix(fixture_prompts, plain_vllm):
@@ -213,7 +245,8 @@ def test_suffix(fixture_prompts, plain_vllm):
     does here: then both see the same earlier answers at every step, and the counters must agree exactly."""
     import arctic_inference  # noqa: F401
 
-    check("suffix", fixture_prompts, plain_vllm, {"method": "suffix", "num_speculative_tokens": 6}, max_num_seqs=1)
+    check("suffix", fixture_prompts, plain_vllm, {"method": "suffix", "num_speculative_tokens": 6}, checkpoint=None,
+          max_num_seqs=1)
 
 
 def test_suffix_trees_draft_what_arcticinference_drafts():
@@ -255,9 +288,11 @@ def test_suffix_trees_draft_what_arcticinference_drafts():
     assert drafted > 1000  # most contexts draft something: the comparison is not of empty drafts
 
 
-def test_zz_print_the_matrix():
-    """The matrix of this run, one JSON line per format or method (the last test of the module)."""
-    print("\nINTEROP MATRIX")
-    for row in MATRIX:
-        print(json.dumps(row))
+def test_zz_print_the_matrix(capsys):
+    """The matrix of this run, one JSON line per format or method (the last test of the module), on the terminal
+    even though `make interop` captures the output of passing tests."""
+    with capsys.disabled():
+        print("\nINTEROP MATRIX")
+        for row in MATRIX:
+            print(json.dumps(row))
     assert MATRIX

@@ -11,6 +11,12 @@ from pathlib import Path
 
 MAX_TOKENS = 40  # tests/conftest.py's answers: the fixture target's greedy output to its first MT-bench prompts
 LOAD_PROBLEMS = ("missing", "unexpected", "not loaded", "not initialized", "were not used", "unused weights")
+# vLLM 0.32.0 on a CPU: CPUModelRunner.load_model logs DRAFTER_LOAD_STARTS once the target is loaded and before the
+# drafter's get_model; DefaultModelLoader.load_weights logs WEIGHTS_LOADED after the model's load_weights returned
+# (for the target, then for the drafter), and then its strict check raises on any parameter the file left unset. So
+# a WEIGHTS_LOADED line after DRAFTER_LOAD_STARTS, in a run that went on, is the drafter's weights loaded in full.
+DRAFTER_LOAD_STARTS = "Loading drafter model..."
+WEIGHTS_LOADED = "Loading weights took"
 
 
 def run_vllm(target: str, prompts, speculative_config: dict | None, max_tokens: int = MAX_TOKENS, model=None,
@@ -55,6 +61,16 @@ class VllmError(RuntimeError):
         self.lines = lines
 
 
-def load_problems(lines: list[str]) -> list[str]:
-    """vLLM log lines that say weights were missing, unexpected or left uninitialised."""
-    return [line for line in lines if "weight" in line.lower() and any(p in line.lower() for p in LOAD_PROBLEMS)]
+def load_problems(lines: list[str], drafter: bool) -> list[str]:
+    """What vLLM's log says went wrong loading weights: lines naming weights missing, unexpected or left
+    uninitialised; and, with a `drafter`, the absence of the lines that prove its weights were loaded (a log
+    that says nothing, or whose format changed, fails rather than passes)."""
+    problems = [line for line in lines if "weight" in line.lower() and any(p in line.lower() for p in LOAD_PROBLEMS)]
+    if drafter:
+        started = next((i for i, line in enumerate(lines) if DRAFTER_LOAD_STARTS in line), None)
+        if started is None:
+            problems.append(f"vLLM never logged {DRAFTER_LOAD_STARTS!r}: no drafter was loaded")
+        elif not any(WEIGHTS_LOADED in line for line in lines[started:]):
+            problems.append(f"vLLM logged no {WEIGHTS_LOADED!r} line after {DRAFTER_LOAD_STARTS!r}: the drafter's "
+                            "weights were not shown to load")
+    return problems
