@@ -8,9 +8,9 @@
 #                 trained side by side on the one GPU for MINUTES (6.0) each, then a first look: `draftsmith eval`
 #                 at QUICK_KS over QUICK_PROMPTS prompts, temperature 0
 #   STAGE=eval    `draftsmith eval` of the trained drafters next to n-gram and DSpark with its confidence cut
-#                 (CONFIDENCE, 0.5) at k = KS (1..7), temperature 0 over all 80 MT-bench first turns, then temperature
-#                 1 at KS_T1 over PROMPTS_T1 prompts; float32, EVAL_BATCH requests at a time (tokens/s and speedups
-#                 are at that concurrency)
+#                 (CONFIDENCE, 0.5) at k = KS (1..7), temperature 0 over PROMPTS_T0 (all 80) MT-bench first
+#                 turns, then temperature 1 at KS_T1 over PROMPTS_T1 prompts; float32, EVAL_BATCH requests at a
+#                 time (tokens/s and speedups are at that concurrency)
 #
 # Inputs, in the git-ignored .gpu/ folder (name .gpu in the call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -1 > .gpu/fixture.tar.xz (benchmarks/prepare_fixture_data.py
@@ -67,8 +67,8 @@ case "$STAGE" in
       start=$SECONDS
       timeout "${REGEN_SECONDS:-100}" python3 -m draftsmith.cli regenerate --data .devdata/sharegpt_train.jsonl \
         --target $TARGET --out /tmp/regen --max-turns 1 --max-new-tokens 256 --batch-size "${REGEN_BATCH:-256}" \
-        --dtype "${REGEN_DTYPE:-bfloat16}" ${REGEN_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "Loading weights" | grep . | tail -3 \
-        | tee "$OUT/regenerate.log"
+        --dtype "${REGEN_DTYPE:-bfloat16}" ${REGEN_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "Loading weights" \
+        | grep . | tail -3 | tee "$OUT/regenerate.log"
       cp /tmp/regen/regenerated.jsonl .devdata/regenerated/regenerated.jsonl
       echo "regenerate: $(( SECONDS - start )) s, $(wc -l < .devdata/regenerated/regenerated.jsonl) records" \
         | tee -a "$OUT/regenerate.log"
@@ -90,7 +90,7 @@ case "$STAGE" in
     ;;
   eval)
     [ -d "$RUNS" ] || { echo "no trained drafters in $RUNS: the machine was given back since STAGE=train" >&2; exit 3; }
-    evaluate eval_t0 --num-speculative-tokens ${KS:-1 2 3 4 5 6 7}
+    evaluate eval_t0 --num-speculative-tokens ${KS:-1 2 3 4 5 6 7} ${PROMPTS_T0:+--num-prompts $PROMPTS_T0}
     evaluate eval_t1 --num-speculative-tokens ${KS_T1:-1 3 5 7} --num-prompts "${PROMPTS_T1:-40}" \
       --temperature 1 --seed 0
     ;;

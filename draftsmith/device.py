@@ -243,6 +243,30 @@ def reset_peak_memory_stats(device: torch.device | str) -> None:
         mod.reset_peak_memory_stats(device)
 
 
+ACCELERATOR_RNG_KINDS = ("cuda", "xpu", "npu")  # torch modules whose per-device generators a checkpoint keeps
+
+
+def _rng_module(kind: str) -> ModuleType | None:
+    module = getattr(torch, kind, None)
+    if module is None or not hasattr(module, "get_rng_state_all") or not module.is_available():
+        return None
+    return module
+
+
+def accelerator_rng_states() -> dict[str, list[torch.Tensor]]:
+    """Every available accelerator's per-device generator states, by kind ("cuda": [state of device 0, ...])."""
+    return {kind: list(module.get_rng_state_all()) for kind in ACCELERATOR_RNG_KINDS
+            if (module := _rng_module(kind)) is not None}
+
+
+def set_accelerator_rng_states(states: dict[str, list[torch.Tensor]]) -> None:
+    """Restore what `accelerator_rng_states` returned; kinds not available here are skipped."""
+    for kind, per_device in states.items():
+        module = _rng_module(kind)
+        if module is not None and per_device:
+            module.set_rng_state_all(per_device)
+
+
 def device_name(device: torch.device | str) -> str:
     """Human-readable hardware name for logs and benchmark JSON."""
     mod = _accel_module(device)

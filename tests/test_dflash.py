@@ -3,6 +3,7 @@ runtime on the fixture target, end-to-end training, and the `--format dflash` ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -411,8 +412,14 @@ def test_proposer_drafts_what_the_training_forward_predicts(tmp_path, fixture_ta
         hidden = drafter(captured.aux_hidden, fixture_target.embed_tokens(ids[:, 6:7]), torch.tensor([[6]]))
         want = fixture_target.lm_head(hidden[0, 0, 1:]).argmax(-1)  # slots 1..5
     assert proposal.token_ids[0].tolist() == want.tolist() and proposal.lengths.tolist() == [5]
-    assert proposer.propose(2).token_ids[0].tolist() == want[:2].tolist()  # a shorter cut of the same block
-    with pytest.raises(ValueError, match="at most block_size - 1 = 5"):
+    # k = 2 runs a block of 3 (the anchor and 2 masks), as vLLM queries it: a drafter trained at block 6, run at 3
+    narrow = DflashDrafter(dataclasses.replace(drafter.config, block_size=3))
+    narrow.load_state_dict(drafter.state_dict())
+    with torch.no_grad():
+        hidden = narrow(captured.aux_hidden, fixture_target.embed_tokens(ids[:, 6:7]), torch.tensor([[6]]))
+        want = fixture_target.lm_head(hidden[0, 0, 1:]).argmax(-1)  # slots 1..2 of the narrow block
+    assert proposer.propose(2).token_ids[0].tolist() == want.tolist()
+    with pytest.raises(ValueError, match="DFlash drafts at most 5 tokens a block, asked 6"):
         proposer.propose(6)
 
 
@@ -431,8 +438,8 @@ def test_block_over_the_whole_cache_drafts_what_the_written_prefix_drafts(tmp_pa
     proposer.cache.keys[:, :, :, 20:].normal_()  # stale entries, as rejected blocks of earlier steps leave them
     proposer.cache.values[:, :, :, 20:].normal_()
     with torch.no_grad():
-        prefix = proposer._block(proposer.last, proposer.lengths, proposer.bound + proposer.block_size)
-        whole = proposer._block(proposer.last, proposer.lengths, proposer.cache.max_length)
+        prefix = proposer._draft(proposer.last, proposer.lengths, proposer.bound + proposer.block_size, 5)
+        whole = proposer._draft(proposer.last, proposer.lengths, proposer.cache.max_length, 5)
     assert torch.equal(prefix[1], whole[1])
     torch.testing.assert_close(prefix[0], whole[0])
 

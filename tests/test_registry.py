@@ -116,3 +116,39 @@ def test_every_method_trains_exports_imports_and_generates_losslessly(method, ti
         drafted = SpeculativeGenerator(target, build_proposer(config, target), K).generate(prompt, 12)
         assert drafted.token_ids == plain, f"{name}: speculative output differs from plain greedy decoding"
         assert drafted.metrics.num_drafts > 0
+
+
+def test_the_package_has_no_import_circles():
+    """No module imports (at module level or inside a function) a module that imports it back, directly or round
+    a loop: a method folder reads shared code, never the other way round (the registry reaches methods only by
+    their spec modules and lazy entry points)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "draftsmith"
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+        return False
+
+    circles = sorted((a, b) for a in graph for b in graph[a] if reaches(b, a))
+    assert not circles, f"import circles: {circles}"

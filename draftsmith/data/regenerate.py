@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from draftsmith.data.conversations import LoadReport, Message, _resolve, iter_records, source_name
+from draftsmith.data.conversations import LoadReport, Message, iter_records, resolve_source, source_name
 
 OUTPUTS = ("regenerated", "errors", "skipped")
 MADE_FROM = "regenerate.json"  # what the output folder's records were made from; a rerun must match it
@@ -274,7 +274,7 @@ def _sha256_files(files: list[Path]) -> str:
 def made_from(data: str, backend, format: str, split: str, subset: str | None, max_turns: int | None) -> dict:
     """What an output folder's records depend on: the input (the sha256 of its bytes where it is local files, its
     name where it is a dataset id), how it is read, the target and how it answers."""
-    _, files = _resolve(str(data), format)
+    _, files = resolve_source(str(data), format)
     return {"data": str(data), "data_sha256": _sha256_files(files) if files else None, "format": format,
             "split": split, "subset": subset, "target": backend.target_name, "max_turns": max_turns,
             "max_new_tokens": backend.max_tokens, "temperature": backend.temperature}

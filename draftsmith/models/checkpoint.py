@@ -168,7 +168,7 @@ class CardInputs:
     """What a checkpoint folder says about itself for an export's model card."""
 
     step: int | None  # training step (trainer_state.json), None when unknown
-    eval_result: dict[str, Any] | None  # eval.json written by training, when readable
+    eval_result: dict[str, Any] | None  # eval.json (`draftsmith eval` leaves its rows there), when readable
     recipe_text: str | None  # recipe.yaml as saved with the checkpoint
     warnings: list[str] = field(default_factory=list)  # what could not be read (the export still goes ahead)
 

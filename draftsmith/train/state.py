@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from draftsmith import device as dev
 from draftsmith.models.checkpoint import save_safetensors_atomic, write_json_atomic
 
 STATE_DIR = "training_state"  # in each checkpoint folder
@@ -38,7 +39,6 @@ META_KEY = "draftsmith"  # the safetensors metadata entry holding a file's JSON 
 # torch.save's zip container
 PICKLE_SUFFIXES = {".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt", ".pck"}
 PICKLE_MAGIC = tuple(bytes([0x80, protocol]) for protocol in range(2, 6)) + (b"PK\x03\x04",)
-ACCELERATOR_RNG = ("cuda", "xpu", "npu")  # torch modules whose per-device generators are saved when present
 TRUST = "training.trust_run_folder=true"
 
 
@@ -119,28 +119,20 @@ def load_training_state(folder: Path, optimizers, rank: int) -> bool:
         name, keys, pos, has_gauss, cached = meta["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(tensors["torch"])
-        for kind in ACCELERATOR_RNG:
-            states = [tensors[k] for k in sorted((k for k in tensors if k.startswith(f"{kind}.")),
-                                                 key=lambda k: int(k.split(".")[1]))]
-            if states and _available(kind):
-                getattr(torch, kind).set_rng_state_all(states)
+        kinds = {name.split(".")[0] for name in tensors if name != "torch"}
+        dev.set_accelerator_rng_states({kind: [tensors[k] for k in sorted(
+            (k for k in tensors if k.startswith(f"{kind}.")), key=lambda k: int(k.split(".")[1]))] for kind in kinds})
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise TrainingStateError(f"{path}: not an RNG state draftsmith wrote ({type(e).__name__}: {e}): set "
                                  "output_dir to a new folder") from None
     return True
 
 
-def _available(kind: str) -> bool:
-    module = getattr(torch, kind, None)
-    return module is not None and hasattr(module, "get_rng_state_all") and module.is_available()
-
-
 def _save_rng(path: Path) -> None:
     tensors = {"torch": torch.get_rng_state()}
-    for kind in ACCELERATOR_RNG:
-        if _available(kind):
-            for device, state in enumerate(getattr(torch, kind).get_rng_state_all()):
-                tensors[f"{kind}.{device}"] = state
+    for kind, per_device in dev.accelerator_rng_states().items():
+        for device, state in enumerate(per_device):
+            tensors[f"{kind}.{device}"] = state
     version, state, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     meta = {"python": [version, list(state), gauss],
