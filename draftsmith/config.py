@@ -76,7 +76,9 @@ class DataConfig(BaseModel):
     on_malformed: Literal["error", "skip"] = "error"
     start_index: int = Field(0, ge=0)  # first record used (earlier ones skipped, e.g. held out)
     max_samples: int | None = Field(None, ge=1)
-    eval_samples: int = Field(64, ge=0)  # held-out split taken from the end of the loaded records
+    # held-out split taken from the end of the loaded records; None: follows the data, 5% of the usable samples
+    # and at most 256 (data/__init__.py DERIVED_EVAL_*)
+    eval_samples: int | None = Field(None, ge=0)
     cache_dir: str | None = None  # None = ~/.cache/draftsmith
     # A hidden-state store written by `draftsmith collect` (data/store.py): training reads the target's states
     # from it instead of running the target; None = capture them online
@@ -90,7 +92,7 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.max_samples is not None and self.eval_samples >= self.max_samples:
+        if self.max_samples is not None and self.eval_samples is not None and self.eval_samples >= self.max_samples:
             raise ValueError(
                 f"data.eval_samples ({self.eval_samples}) leaves no training records out of "
                 f"data.max_samples ({self.max_samples}): lower data.eval_samples or raise data.max_samples"

@@ -97,7 +97,8 @@ def test_type_error_is_one_line(tmp_path):
 @pytest.mark.parametrize(
     "patch, expected",
     [
-        ({"model": {"target": "t", "method": "medusa"}}, "model.method: expected 'eagle3', 'mtp' or 'dflash', got 'medusa'"),
+        ({"model": {"target": "t", "method": "medusa"}},
+         "model.method: expected 'eagle3', 'mtp', 'dflash' or 'dspark', got 'medusa'"),
         ({"training": {"epochs": 2.5}}, "training.epochs: expected an integer, got 2.5"),
         ({"training": {"batch_size": 0}}, "training.batch_size: must be >= 1, got 0"),
         ({"training": {"ttt_decay": 1.5}}, "training.ttt_decay: must be <= 1.0, got 1.5"),
@@ -115,7 +116,8 @@ def test_bad_values(patch, expected):
 @pytest.mark.parametrize(
     "patch, fix",
     [
-        ({"data": {"path": "x", "max_samples": 10}}, "lower data.eval_samples or raise data.max_samples"),
+        ({"data": {"path": "x", "max_samples": 10, "eval_samples": 64}},
+         "lower data.eval_samples or raise data.max_samples"),
         ({"data": {"path": "sharegpt", "format": "hf"}}, "set data.format to auto or sharegpt"),
         ({"model": {"target": "t", "aux_layer_ids": [2, 2]}}, "list each layer once"),
         ({"training": {"adam_betas": [0.9, 1.0]}}, "each beta must be in [0, 1)"),

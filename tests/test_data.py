@@ -336,3 +336,18 @@ def test_prepare_dataset_splits_last_samples_for_eval(tmp_path, chatml):
     assert len(lines) == 2 and "read 6 records" in lines[0] and "kept 5 samples" in lines[1]
     with pytest.raises(DataError, match="lower data.eval_samples"):
         prepare_dataset(data_cfg(f, eval_samples=5), chatml, log=lines.append)
+
+
+def test_eval_samples_null_follows_the_data(tmp_path, chatml):
+    """A recipe that leaves data.eval_samples open holds out 1 in 20 usable samples, at most 256, so a recipe
+    written for a large set also runs on a 200-record cut of it (issue 25, item 17)."""
+    from draftsmith.config import recipe_from_dict
+
+    recipe = recipe_from_dict({"model": {"target": "t"}, "data": {"path": "x.jsonl", "max_samples": 200},
+                               "output_dir": "o"})
+    assert recipe.data.eval_samples is None  # no conflict with max_samples 200
+    f = write_jsonl(tmp_path / "d.jsonl", [conv(f"q{i}", f"reply {i}") for i in range(45)])
+    lines = []
+    data = prepare_dataset(data_cfg(f, eval_samples=None), chatml, log=lines.append)
+    assert (len(data.train), len(data.eval)) == (43, 2)  # 45 // 20
+    assert any("held out 2 samples" in line for line in lines)

@@ -58,6 +58,10 @@ class PreparedData:
     tokenize_report: TokenizeReport
 
 
+DERIVED_EVAL_EVERY = 20  # data.eval_samples null: 5% of the usable samples are held out ...
+DERIVED_EVAL_MAX = 256  # ... but no more than this many
+
+
 def prepare_dataset(data_cfg: Any, tokenizer: Any, *, log: Callable[[str], None] = print) -> PreparedData:
     """Load, tokenize and split per a `DataConfig` (read by attribute only); logs one line per stage."""
     convs, load_report = load_conversations(
@@ -73,6 +77,10 @@ def prepare_dataset(data_cfg: Any, tokenizer: Any, *, log: Callable[[str], None]
     samples, tokenize_report = tokenize_conversations(tokenizer, convs, data_cfg.max_length, data_cfg.on_long)
     log(tokenize_report.summary())
     n_eval = data_cfg.eval_samples
+    if n_eval is None:  # follows the data
+        n_eval = min(DERIVED_EVAL_MAX, len(samples) // DERIVED_EVAL_EVERY)
+        log(f"held out {n_eval} samples for evaluation (data.eval_samples null: 1 in {DERIVED_EVAL_EVERY}, at most "
+            f"{DERIVED_EVAL_MAX})")
     if n_eval < 0:
         raise DataError(f"data.eval_samples must be >= 0, got {n_eval}")
     if len(samples) <= n_eval:
