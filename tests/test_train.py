@@ -372,3 +372,49 @@ def test_shipped_recipes_train_on_another_target_without_overrides_for_what_they
         if name.startswith("eagle3"):
             assert "eagle3: norm_before_fc, norm_before_residual, norm_output on" in text
             assert "draft vocab: 16000 of 16000 tokens" in text  # min(32000, the target's)
+
+
+def test_what_the_targets_config_decides_is_refused_before_the_data_loads(tmp_path, fixture_target_dir, monkeypatch):
+    """A draft vocabulary larger than the target's was refused only after the data was tokenized and the target
+    loaded (87 s, issue 25, item 18); the target's config.json decides it, so it is read first."""
+    from draftsmith.config import RecipeError
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the data was loaded before the recipe was checked against the target")
+
+    monkeypatch.setattr("draftsmith.data.prepare_dataset", loaded)
+    recipe = recipe_from_dict({"model": {"target": str(fixture_target_dir), "draft_vocab_size": 32000},
+                               "data": {"path": str(write_conversations(tmp_path / "c.jsonl"))},
+                               "output_dir": str(tmp_path / "run")})
+    with pytest.raises(RecipeError, match=r"model.draft_vocab_size \(32000\) exceeds the target vocabulary \(16000\)"):
+        train(recipe, log=lambda *a: None)
+    dflash = recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": "dflash"},
+                               "data": {"path": "unused.jsonl"}, "dflash": {"target_layer_ids": [1, 4, 9]},
+                               "output_dir": str(tmp_path / "run2")})
+    with pytest.raises(RecipeError, match=r"dflash.target_layer_ids \[1, 4, 9\]: id 9 is outside 0..7"):
+        train(dflash, log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_an_uncached_hub_target_of_a_recipe_fails_at_once_when_the_hub_cannot_be_reached(tmp_path):
+    """`draftsmith train` with model.target ORG/NAME, offline: one line at once, not minutes of retries."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_HOME": str(tmp_path / "home")}
+    env.pop("HF_HUB_OFFLINE", None)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"# test\nmodel: {{target: org/not-cached}}\ndata: {{path: x.jsonl}}\n"
+                      f"output_dir: {tmp_path / 'run'}\n")
+    failed = subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", str(recipe)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2 and "Retrying" not in failed.stderr, failed.stderr[-2000:]
+    (line,) = failed.stderr.strip().splitlines()
+    assert "model.target org/not-cached: not a local folder and not cached locally" in line
+    assert "Hugging Face Hub cannot be reached" in line

@@ -580,6 +580,7 @@ def load_target_tokenizer(target: str, label: str, error: type[ValueError] = Val
     from transformers import AutoTokenizer
 
     from draftsmith.models.checkpoint import CheckpointError, read_json
+    from draftsmith.models.drafter_config import hub_unreachable
     from draftsmith.models.model_card import looks_like_hub_id
 
     path = Path(target).expanduser()
@@ -595,6 +596,8 @@ def load_target_tokenizer(target: str, label: str, error: type[ValueError] = Val
             raise error(f"{label}: {config}: expected a JSON object, got {type(parsed).__name__}")
     elif not looks_like_hub_id(target):
         raise error(f"{label} {target}: no such folder, and not a Hugging Face repo id (ORG/NAME)")
+    elif (unreachable := hub_unreachable(target)) is not None:  # fail at once, not after minutes of retries
+        raise error(f"{label} {unreachable}")
     try:
         return AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError) as e:

@@ -745,6 +745,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                                                       "before that)" if good is not None else ""))
             if step % cfg.eval_every == 0 or stop:
                 check_health()  # evaluation syncs on every batch anyway
+                if stop and data.eval:  # the bar sits at its end meanwhile: say what the wait is for
+                    log(f"step {step}: evaluating on the {len(data.eval)} held-out samples")
                 eval_started = time.time()
                 row = {"step": step, **evaluate(method, drafter, data.eval, cfg.batch_size, pad_id,
                                                 accelerator.device, features, _eval_selector(stored, data))}
