@@ -267,6 +267,36 @@ def write_failure(e: OSError, where: Path | str) -> str:
     return f"{target}: cannot write: {e.strerror or e}"
 
 
+def check_tensors(expected: Mapping[str, tuple[tuple[int, ...], str]], tensors: Mapping[str, torch.Tensor],
+                  dtypes: Mapping[str, torch.dtype] | None = None) -> list[str]:
+    """Names, shapes and dtypes of `tensors` against a contract `expected` (name -> (shape, why the shape)): one
+    line per kind of problem. A tensor is a floating-point weight unless `dtypes` names its dtype. Every format's
+    contract check and every importer run their tensors through here."""
+    problems: list[str] = []
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (engines would ignore them silently): {', '.join(unexpected)}")
+    for name in sorted(set(expected) & set(tensors)):
+        shape, why = expected[name]
+        t = tensors[name]
+        if tuple(t.shape) != tuple(shape):
+            problems.append(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)} = {why}")
+        want = (dtypes or {}).get(name)
+        if want is not None and t.dtype != want:
+            problems.append(f"{name}: dtype {t.dtype}, expected {want}")
+        elif want is None and not t.is_floating_point():
+            problems.append(f"{name}: dtype {t.dtype}, expected a floating-point weight")
+    return problems
+
+
+def module_shapes(module: torch.nn.Module, why: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A freshly built drafter's state dict as a contract for `check_tensors` (RoPE's buffers left out)."""
+    return {name: (tuple(t.shape), why) for name, t in module.state_dict().items() if not name.startswith("rotary_emb.")}
+
+
 def check_finite(tensors: Mapping[str, torch.Tensor], where: Path | str) -> None:
     """Refuse weights holding NaN or inf: an engine would load them and serve garbage drafts without a word."""
     bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]

@@ -84,7 +84,7 @@ def load_training_state(folder: Path, optimizers, rank: int) -> bool:
     """Load the optimizers' states and this process's RNG states from draftsmith's files (safetensors and JSON:
     nothing is unpickled). False when there is no RNG file for this process (a run resumed on more processes
     than wrote it): its generators keep the recipe's seed."""
-    saved = _read_json(folder / FORMAT_FILE)
+    saved = read_json_object(folder / FORMAT_FILE)
     if saved.get("optimizers") != len(optimizers):
         raise TrainingStateError(f"{folder / FORMAT_FILE}: holds {saved.get('optimizers')} optimizer states, this "
                                  f"run has {len(optimizers)}: set output_dir to a new folder")
@@ -140,7 +140,8 @@ def _save_rng(path: Path) -> None:
     save_safetensors_atomic(tensors, path, metadata={META_KEY: json.dumps(meta)})
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A run folder's JSON file as a dict; one line naming it otherwise."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -52,7 +52,13 @@ from draftsmith.train.optim import (
     probe_plan,
     replan,
 )
-from draftsmith.train.state import STATE_DIR, check_run_folder, load_training_state, save_training_state
+from draftsmith.train.state import (
+    STATE_DIR,
+    check_run_folder,
+    load_training_state,
+    read_json_object,
+    save_training_state,
+)
 
 LATEST = "latest"
 WEIGHTS_FILE = "model.safetensors"
@@ -360,14 +366,7 @@ def check_same_run(checkpoint: Path, recipe: Recipe, output_dir: Path, processes
 
 
 def _read_trainer_state(checkpoint: Path) -> dict:
-    path = checkpoint / "trainer_state.json"
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TrainingError(f"{path}: cannot read it ({e}): set output_dir to a new folder") from None
-    if not isinstance(saved, dict):
-        raise TrainingError(f"{path}: expected a JSON object: set output_dir to a new folder")
-    return saved
+    return read_json_object(checkpoint / "trainer_state.json")
 
 
 def drop_replayed_rows(metrics_path: Path, step: int) -> None:

@@ -30,6 +30,7 @@ from draftsmith.models.checkpoint import (
     ExportError,
     ExportResult,
     check_output_dir,
+    check_tensors,
     config_for_export,
     draftsmith_version,
     load_checkpoint,
@@ -213,19 +214,7 @@ def check_dflash_export(
                                                                                    dict) else None
     if not sizes_ok or not isinstance(ids, list):
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (engines would ignore them silently): {', '.join(unexpected)}")
-    for name in sorted(set(expected) & set(tensors)):
-        shape, why = expected[name]
-        if tuple(tensors[name].shape) != shape:
-            problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
-        if not tensors[name].is_floating_point():
-            problems.append(f"{name}: dtype {tensors[name].dtype}, expected a floating-point weight")
+    problems += check_tensors(expected_shapes(config), tensors)
     if mask_embedding is not None:
         if tuple(mask_embedding.shape) != (config["hidden_size"],):
             problems.append(f"{MASK_EMBEDDING_FILE}: shape {tuple(mask_embedding.shape)}, expected "

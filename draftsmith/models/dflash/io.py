@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import CheckpointImportError, ImportedCheckpoint, provenance_step, resolve_checkpoint
+from draftsmith.models.checkpoint import (
+    CheckpointImportError,
+    ImportedCheckpoint,
+    check_tensors,
+    module_shapes,
+    provenance_step,
+    resolve_checkpoint,
+)
 from draftsmith.models.dflash.config import METHOD, DflashConfigError, DflashDrafterConfig
 from draftsmith.models.dflash.export import config_from_export
 from draftsmith.models.dflash.model import MASK_EMBEDDING_FILE, DflashDrafter
@@ -68,11 +75,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         raise CheckpointImportError(str(e)) from None
     if target:
         config.target_name_or_path = target
-    expected = {k: v.shape for k, v in DflashDrafter(config).state_dict().items() if not k.startswith("rotary_emb.")}
-    problems = [f"missing {k}" for k in sorted(set(expected) - set(tensors))]
-    problems += [f"unexpected {k}" for k in sorted(set(tensors) - set(expected))]
-    problems += [f"{k}: shape {tuple(t.shape)}, expected {tuple(expected[k])}"
-                 for k, t in sorted(tensors.items()) if k in expected and t.shape != expected[k]]
+    problems = check_tensors(module_shapes(DflashDrafter(config), "from the config"), tensors)
     if problems:
         raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
     return ImportedCheckpoint(config=config.to_dict(), tensors=tensors, step=provenance_step(public))

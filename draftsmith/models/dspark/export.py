@@ -26,6 +26,7 @@ from draftsmith.models.checkpoint import (
     ExportResult,
     ExportError,
     check_output_dir,
+    check_tensors,
     config_for_export,
     load_checkpoint,
     read_card_inputs,
@@ -114,18 +115,7 @@ def check_dspark_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]
                                                                                          list)
     if not sizes_ok:
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
-    expected = expected_dspark_shapes(config)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (engines would refuse or ignore them): {', '.join(unexpected)}")
-    for name in sorted(set(expected) & set(tensors)):
-        shape, why = expected[name]
-        if tuple(tensors[name].shape) != shape:
-            problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
-        if not tensors[name].is_floating_point():
-            problems.append(f"{name}: dtype {tensors[name].dtype}, expected a floating-point weight")
+    problems += check_tensors(expected_dspark_shapes(config), tensors)
     return problems, warnings
 
 

@@ -18,7 +18,9 @@ import torch
 from draftsmith.models.checkpoint import (
     CheckpointImportError,
     ImportedCheckpoint,
+    check_tensors,
     load_folder_tensors,
+    module_shapes,
     provenance_step,
     resolve_checkpoint,
 )
@@ -163,11 +165,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         raise CheckpointImportError(str(e)) from None
     if target:
         config.target_name_or_path = target
-    expected = {k: v.shape for k, v in DsparkDrafter(config).state_dict().items() if not k.startswith("rotary_emb.")}
-    problems = [f"missing {k}" for k in sorted(set(expected) - set(tensors))]
-    problems += [f"unexpected {k}" for k in sorted(set(tensors) - set(expected))]
-    problems += [f"{k}: shape {tuple(t.shape)}, expected {tuple(expected[k])}"
-                 for k, t in sorted(tensors.items()) if k in expected and t.shape != expected[k]]
+    problems = check_tensors(module_shapes(DsparkDrafter(config), "from the config"), tensors)
     if problems:
         raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
     return ImportedCheckpoint(config=config.to_dict(), tensors=tensors, notes=notes, step=provenance_step(public))

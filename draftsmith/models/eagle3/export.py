@@ -30,6 +30,7 @@ from draftsmith.models.checkpoint import (
     ExportResult,
     FormatNotApplicable,
     check_output_dir,
+    check_tensors,
     config_for_export,
     draftsmith_version,
     load_checkpoint,
@@ -66,6 +67,7 @@ _WEIGHT_NAMES = (
     "lm_head.weight",
 )
 _VOCAB_NAMES = ("d2t", "t2d")
+VOCAB_MAP_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}
 MAX_AUX_LAYERS = 16  # fc_norm.{i} names are listed up to this many aux layers
 _FLAG_NORM_NAMES = ("input_norm.weight", *(f"fc_norm.{i}.weight" for i in range(MAX_AUX_LAYERS)))  # with the flags
 _ATTENTION_BIAS_NAMES = tuple(f"midlayer.self_attn.{p}_proj.bias" for p in "qkvo")  # when attention_bias
@@ -371,29 +373,9 @@ def check_state_dict(
 
     Shared by every EAGLE-3 layout: only the names differ between them, not the shapes or the vocabulary maps.
     """
-    problems: list[str] = []
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (engines would ignore them silently): {', '.join(unexpected)}")
-    shapes_ok = True
-    for name in sorted(set(expected) & set(tensors)):
-        shape, why = expected[name]
-        if tuple(tensors[name].shape) != shape:
-            problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
-            shapes_ok = False
-    dtypes_ok = True
-    for name in sorted(set(expected) & set(tensors)):
-        t = tensors[name]
-        want = {"d2t": torch.int64, "t2d": torch.bool}.get(name)
-        if want is not None and t.dtype != want:
-            problems.append(f"{name}: dtype {t.dtype}, expected {want}")
-            dtypes_ok = False
-        elif want is None and not t.is_floating_point():
-            problems.append(f"{name}: dtype {t.dtype}, expected a floating-point weight")
-    if "d2t" in tensors and "t2d" in tensors and "d2t" in expected and shapes_ok and dtypes_ok:
+    problems = check_tensors(expected, tensors, VOCAB_MAP_DTYPES)
+    maps_ok = not any(p.startswith(("d2t:", "t2d:")) for p in problems)
+    if "d2t" in tensors and "t2d" in tensors and "d2t" in expected and maps_ok:
         problems += check_vocab_maps(config, tensors["d2t"], tensors["t2d"])
     return problems
 
