@@ -102,6 +102,7 @@ ACCEPTING_RECIPES = {  # name -> (method, steps, recipe overrides)
     "dflash": ("dflash", 80, {"training": {"lr": 2e-3}, "dflash": {"num_layers": 1, "block_size": 4,
                                                                     "anchors_per_sequence": 64}}),
     "mtp": ("mtp", 60, {"training": {"lr": 3e-3}, "mtp": {"num_depths": 3}}),
+    "eagle": ("eagle", 60, {"training": {"lr": 3e-3}}),
     "dspark": ("dspark", 80, {"training": {"lr": 2e-3}, "dspark": {"num_layers": 1, "block_size": 4,
                                                                     "anchors_per_sequence": 64, "markov_rank": 32}}),
 }

@@ -32,10 +32,7 @@ MODEL_FREE_PROPOSERS = {
     "suffix": SuffixProposer,
 }
 # vLLM methods draftsmith will run, not yet, and why: refused rather than run with another method's code.
-RESERVED_METHODS: dict[str, str] = {
-    "eagle": "EAGLE-1/2 drafters (one layer over the target's last hidden state, no aux layers) are not "
-             "implemented yet; an EAGLE-3 drafter is method 'eagle3'",
-}
+RESERVED_METHODS: dict[str, str] = {}
 
 
 def available_methods() -> tuple[str, ...]:

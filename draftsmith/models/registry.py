@@ -12,12 +12,14 @@ from typing import Any
 
 from draftsmith.models.dflash.spec import SPEC as DFLASH
 from draftsmith.models.dspark.spec import SPEC as DSPARK
+from draftsmith.models.eagle.spec import SPEC as EAGLE
 from draftsmith.models.eagle3.spec import SPEC as EAGLE3
 from draftsmith.models.mtp.spec import SPEC as MTP
 from draftsmith.models.spec import DrafterSpec, ExportFormat
 
 SPECS: tuple[DrafterSpec, ...] = (
     EAGLE3,
+    EAGLE,
     MTP,
     DFLASH,
     DSPARK,
