@@ -33,6 +33,7 @@ from draftsmith.models.checkpoint import (
     ExportError,
     ExportResult,
     check_output_dir,
+    check_tensors,
     config_for_export,
     draftsmith_version,
     load_checkpoint,
@@ -130,23 +131,6 @@ def expected_native_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int,
         for name, width in zip(_MLP_BIAS_NAMES, (i, i, h)):
             shapes[name] = ((width,), "bias of the matching projection (mlp_bias)")
     return shapes
-
-
-def check_tensors(expected: dict[str, tuple[tuple[int, ...], str]], tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names, shapes and dtypes of `tensors` against `expected` (name -> (shape, why))."""
-    problems = []
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (engines would ignore them or refuse): {', '.join(unexpected)}")
-    for name in sorted(set(expected) & set(tensors)):
-        shape, why = expected[name]
-        if tuple(tensors[name].shape) != shape:
-            problems.append(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape} = {why}")
-        if not tensors[name].is_floating_point():
-            problems.append(f"{name}: dtype {tensors[name].dtype}, expected a floating-point weight")
-    return problems
 
 
 def check_native_eagle(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -13,7 +13,9 @@ from draftsmith.models.checkpoint import (
     CONFIG_FILE,
     CheckpointImportError,
     ImportedCheckpoint,
+    check_tensors,
     load_folder_tensors,
+    module_shapes,
     provenance_step,
     resolve_checkpoint,
 )
@@ -44,14 +46,10 @@ def read_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor], target_co
 
 
 def tensor_problems(config: EagleConfig, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """What keeps `tensors` from loading into the drafter `config` builds (missing, unexpected, wrong shape)."""
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in EagleDrafter(config).state_dict().items() if not k.startswith("rotary_emb.")}
-    problems = [f"missing {k}" for k in sorted(set(expected) - set(tensors))]
-    problems += [f"unexpected {k}" for k in sorted(set(tensors) - set(expected))]
-    problems += [f"{k}: shape {tuple(t.shape)}, expected {tuple(expected[k])}"
-                 for k, t in sorted(tensors.items()) if k in expected and t.shape != expected[k]]
-    return problems
+    """What keeps `tensors` from loading into the drafter `config` builds (checkpoint.check_tensors)."""
+    with torch.device("meta"):  # shapes only: no memory
+        expected = module_shapes(EagleDrafter(config), "from the config")
+    return check_tensors(expected, tensors)
 
 
 def read_drafter_folder(path: str | Path) -> tuple[EagleConfig, dict[str, torch.Tensor], list[str]]:
