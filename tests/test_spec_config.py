@@ -1,5 +1,6 @@
 """Speculative config: vLLM's keys and defaults, strict errors, the NPU limit, and the proposer table."""
 
+import json
 
 import pytest
 
@@ -28,9 +29,33 @@ def test_ngram_prompt_lookup_defaults_follow_vllm(given, expected):
 
 def test_json_string_and_ignored_vllm_keys():
     spec = parse('{"method": "eagle3", "model": "/ckpt", "num_speculative_tokens": 3, '
-                 '"draft_tensor_parallel_size": 1, "max_model_len": 4096, "enforce_eager": true}')
+                 '"max_model_len": 4096, "enforce_eager": true}')
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle3", "/ckpt", 3)
     assert spec.to_dict() == {"method": "eagle3", "model": "/ckpt", "num_speculative_tokens": 3}
+
+
+def test_vllm_ascend_deployment_keys_are_checked_kept_and_recommended_back():
+    """draft_tensor_parallel_size (vLLM and vllm-ascend: 1 or the target's TP; draftsmith's runtime is one device)
+    and disable_padded_drafter_batch: accepted, kept in the config, and in the --speculative-config that `draftsmith
+    eval` recommends, when given; absent when not."""
+    from draftsmith.inference.report import recommend
+
+    given = {"method": "eagle", "model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1,
+             "disable_padded_drafter_batch": True}
+    spec = parse(given)
+    assert (spec.draft_tensor_parallel_size, spec.disable_padded_drafter_batch) == (1, True)
+    assert spec.to_dict() == given
+    row = {"method": "eagle", "num_speculative_tokens": 3, "speedup": 2.0, "tokens_per_second": 200.0,
+           "spec_config": spec.to_dict(), "metrics": {"mean_acceptance_length": 2.5}}
+    assert json.loads(recommend({"results": [row]})["vllm_speculative_config"]) == given
+    plain = parse({"method": "eagle", "model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": None})
+    assert "draft_tensor_parallel_size" not in plain.to_dict() and "disable_padded_drafter_batch" not in plain.to_dict()
+
+
+def test_vllms_mtp_model_type_names_are_mtp():
+    """vLLM still takes its MTP model types as the method ("deprecated and replaced with mtp")."""
+    for name in ("deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp"):
+        assert parse({"method": name, "num_speculative_tokens": 1}).method == "mtp"
 
 
 @pytest.mark.parametrize(
@@ -50,6 +75,12 @@ def test_json_string_and_ignored_vllm_keys():
         ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "spec_token_tree": "[]"}, "not supported"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' needs 'model'"),
+        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+         "draft_tensor_parallel_size 2: draftsmith's runtime runs the drafter on one device"),
+        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+         "draft_tensor_parallel_size must be an integer > 0"),
+        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "disable_padded_drafter_batch": "yes"},
+         "disable_padded_drafter_batch must be true or false"),
     ],
 )
 def test_bad_configs_give_one_line_errors(raw, message):

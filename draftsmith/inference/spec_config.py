@@ -46,8 +46,8 @@ def scored_methods() -> tuple[str, ...]:
 
 # vLLM keys that do not change which tokens come out of this runtime.
 IGNORED_KEYS = frozenset({
-    "draft_tensor_parallel_size", "max_model_len", "enforce_eager", "revision", "quantization",
-    "disable_padded_drafter_batch", "attention_backend", "kv_cache_dtype", "moe_backend",
+    "max_model_len", "enforce_eager", "revision", "quantization", "attention_backend", "kv_cache_dtype",
+    "moe_backend",
 })
 # vLLM keys that would change the output and that draftsmith does not implement yet.
 UNSUPPORTED_KEYS = frozenset({
@@ -83,6 +83,11 @@ class SpecConfig:
     speculative_token_tree: str | None = None  # vLLM's static tree, paths of child ranks: "[(0,), (1,), (0, 0)]"
     dynamic_tree: dict[str, int] | None = None  # EAGLE-2 tree {"depth": d, "top_k": k}; nodes kept = k_spec
     suffix_hybrid: dict[str, float] | None = None  # {"min_score": s}: suffix drafts where they score >= s
+    # vLLM's and vllm-ascend's deployment keys, checked and kept so that `draftsmith eval` recommends them back: the
+    # drafter's tensor-parallel size (vLLM: 1 or the target's; draftsmith's runtime is one device, so 1) and
+    # disable_padded_drafter_batch (how vLLM batches drafter inputs; no token changes)
+    draft_tensor_parallel_size: int | None = None
+    disable_padded_drafter_batch: bool | None = None
     # the method's own keys (its spec's runtime_keys, e.g. DSpark's confidence_threshold), checked
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -95,6 +100,25 @@ def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecConfigError(f"speculative config: {key} must be an integer > 0, got {value!r}")
     return value
+
+
+def _deployment_options(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """draft_tensor_parallel_size and disable_padded_drafter_batch, when given (null: not given, vLLM's default)."""
+    opts: dict[str, Any] = {}
+    if raw.get("draft_tensor_parallel_size") is not None:
+        size = _positive_int("draft_tensor_parallel_size", raw["draft_tensor_parallel_size"])
+        if size != 1:
+            raise SpecConfigError(f"speculative config: draft_tensor_parallel_size {size}: draftsmith's runtime runs "
+                                  "the drafter on one device (vLLM and vllm-ascend take 1 or the target's "
+                                  "tensor-parallel size); set it to 1 to measure here, or drop it")
+        opts["draft_tensor_parallel_size"] = size
+    if raw.get("disable_padded_drafter_batch") is not None:
+        flag = raw["disable_padded_drafter_batch"]
+        if not isinstance(flag, bool):
+            raise SpecConfigError(f"speculative config: disable_padded_drafter_batch must be true or false, "
+                                  f"got {flag!r}")
+        opts["disable_padded_drafter_batch"] = flag
+    return opts
 
 
 def _check_method(method: Any) -> str:
@@ -309,7 +333,7 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
             f"use num_speculative_tokens <= {NPU_MAX_TOKENS_PER_ROUND - 1}"
         )
     return SpecConfig(method=method, num_speculative_tokens=k, model=model, prompt_lookup_max=high,
-                      prompt_lookup_min=low, **suffix, **tree, **hybrid, options=options)
+                      prompt_lookup_min=low, **suffix, **tree, **hybrid, **_deployment_options(raw), options=options)
 
 
 def build_proposer(spec: SpecConfig, target):
