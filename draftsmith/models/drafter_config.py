@@ -25,8 +25,12 @@ def legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] 
 
 
 def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:
-    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs."""
+    """The target's RoPE settings as a `rope_parameters` dict, across transformers 4-style and 5-style configs. A
+    target with RoPE per layer type (Gemma 4) gives its plain (default) RoPE, which every engine's drafter builds."""
     params = getattr(target, "rope_parameters", None)
+    if params and all(isinstance(v, dict) for v in params.values()):  # {layer type: rope_parameters}
+        plain = [v for v in params.values() if v.get("rope_type", "default") == "default"]
+        return dict(plain[0] if plain else next(iter(params.values())))
     if params:
         return dict(params)
     scaling = dict(getattr(target, "rope_scaling", None) or {})

@@ -1,11 +1,12 @@
 """The target model: aux hidden-state capture for training and a cached forward for the runtime.
 
-`TargetModel` wraps any Hugging Face causal LM whose decoder layers live in `model.model.layers` (Llama, Qwen2,
-Qwen3, Mistral, ...). Training only needs `capture()`, which runs the stock transformers forward with hooks.
-The runtime needs `step()`: a forward over a preallocated `KVCache` that can be rolled back past rejected draft
-tokens and that returns the aux features of exactly the positions it ran. That forward is written here on top
-of the model's own modules (projections, norms, MLP, rotary embedding), so it does not depend on transformers'
-cache classes, whose API changes between releases.
+`TargetModel` wraps any Hugging Face causal LM. Training only needs `capture()`, which runs the stock transformers
+forward with hooks. The runtime needs `step()`: a forward over a preallocated `KVCache` that can be rolled back past
+rejected draft tokens and that returns the aux features of exactly the positions it ran. That forward is driven
+here and written per family in `draftsmith/models/targets/` (Llama, Mistral, Qwen2/3, Qwen3-MoE, GPT-OSS, Gemma 4)
+on top of the model's own modules (projections, norms, MLP, rotary embedding), so it does not depend on
+transformers' cache classes, whose API changes between releases. Any other causal LM runs through its own forward
+over transformers' cache (`targets/generic.py`): exact, slower, one request at a time.
 
 Aux-layer convention (DESIGN.md §3): capture id k is the residual stream *entering* decoder layer k, i.e.
 Hugging Face `output_hidden_states[k]`; id 0 is the embedding output, id L the last layer's output before the
@@ -24,15 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import device as dev
+from draftsmith.models.targets import DENSE_MODEL_TYPES, family_for, unsupported_reason
+from draftsmith.models.targets.base import (StepState, TargetError, config_attribute, layer_recorder, rotate_half,
+                                           step_masks)
+from draftsmith.models.targets.generic import TransformersForward
+from draftsmith.models.targets.llama import attend  # noqa: F401 - re-exported (MTP's blocks, tests)
 
-SUPPORTED_STEP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_STEP_MODEL_TYPES = DENSE_MODEL_TYPES  # the Llama-shaped dense families (their MTP blocks run too)
 COMPILE_ENV = "DRAFTSMITH_COMPILE"  # "1": fuse the graphed step's decoder layers with torch.compile
 CACHE_GRANULE = 1024  # pooled caches grow in these steps
 MAX_GRAPHED_TOKENS = 64  # wider steps (prefill) run eagerly: one graph per prompt length would not pay off
-
-
-class TargetError(ValueError):
-    """A target model draftsmith cannot use as it is."""
 
 
 @dataclass
@@ -48,10 +50,12 @@ class StepOutput:
 
 
 def sliding_window_of(config) -> int | None:
-    """The attention window of a target's sliding-window layers, or None when every layer attends fully: Qwen2/3
-    list `layer_types` (and `use_sliding_window`), Mistral sets `sliding_window` for every layer."""
+    """The attention window of a dense target's sliding-window layers, which the runtime attends past (so it bounds
+    the context), or None when every layer attends fully: Qwen2/3 list `layer_types` (and `use_sliding_window`),
+    Mistral sets `sliding_window` for every layer. Other families apply their windows exactly (their adapter in
+    models/targets, or transformers' own forward): None."""
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "model_type", "") not in SUPPORTED_STEP_MODEL_TYPES:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -131,42 +135,47 @@ class KVCache:
         self.length = length
 
 
-def attend(q, keys, values, mask, scale):
-    """Scaled dot-product attention with grouped K/V heads and a boolean `mask` (True = may attend).
-
-    q (B, h, T, hd); keys/values (B, kv, S, hd); mask broadcastable to (B, h, T, S) or None (no masking).
-    """
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)  # (B, h, S, hd)
-        values = values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+def decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
+    """(the module holding a causal LM's decoder layers, the layers): `model.model.layers` (Llama and most; a
+    multimodal model's `model.language_model.layers`), else the one list of num_hidden_layers modules in its base
+    model (`gpt_neox.layers`, `transformer.h`, ...); None when there is none."""
+    inner = getattr(model, "model", None)
+    inner = getattr(inner, "language_model", inner)
+    if isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return inner, inner.layers
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    lists = [m for m in model.base_model.children() if isinstance(m, nn.ModuleList) and len(m) == count]
+    return (model.base_model, lists[0]) if len(lists) == 1 else None
 
 
 class TargetModel:
     def __init__(self, model: nn.Module, name_or_path: str = "", compile_layers: bool | None = None):
         """`compile_layers`: run the decoder layers of graphed steps through one torch.compile'd function (fewer,
         fused kernels: what a launch-bound step needs); None reads DRAFTSMITH_COMPILE (default off)."""
-        if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        stack = decoder_stack(model)
+        if stack is None:
             raise TargetError(
-                f"{name_or_path or type(model).__name__}: draftsmith needs a causal LM with decoder layers at "
-                "`model.model.layers` (Llama, Qwen2/3, Mistral and most decoder-only models)"
+                f"{name_or_path or type(model).__name__}: draftsmith needs a causal LM whose decoder layers it can "
+                "find: `model.model.layers`, or one list of num_hidden_layers modules in its base model"
             )
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.config = model.config
+        self.config = model.config.get_text_config()  # a multimodal model's (Gemma 4's) text model serves
+        self._decoder, layers = stack
         self.name_or_path = name_or_path or getattr(self.config, "_name_or_path", "")
-        self.layers = model.model.layers
+        self.layers = layers
         self.num_layers = len(self.layers)
         self.hidden_size = self.config.hidden_size
         self.vocab_size = self.config.vocab_size
-        self.head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        self.head_dim = config_attribute(self.config, "head_dim") or self.hidden_size // self.config.num_attention_heads
         self.num_heads = self.config.num_attention_heads
-        self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
+        self.num_kv_heads = config_attribute(self.config, "num_key_value_heads") or self.num_heads
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self._graphs_on = dev.graphs_supported(self.device)
+        self.family = family_for(model)  # the runtime's adapter (models/targets), None: transformers' own forward
+        self._generic = TransformersForward(model, layers) if self.family is None else None
+        self._graphs_on = dev.graphs_supported(self.device) and self.family is not None and self.family.graphs
         self._graphs = dev.GraphPool()  # (T, aux ids, logits_to_keep, cache id, tree or not) -> graph of the step
         self._pooled: dict[int, KVCache] = {}  # batch size -> reusable cache (CUDA only)
         if compile_layers is None:
@@ -245,7 +254,7 @@ class TargetModel:
 
     @property
     def final_norm(self) -> nn.Module:
-        return self.model.model.norm
+        return self._decoder.norm
 
     def default_aux_layer_ids(self) -> list[int]:
         from draftsmith.models.eagle3.section import default_aux_layer_ids
@@ -287,24 +296,15 @@ class TargetModel:
         `position_ids` restarting at 0 inside a row, with no attention_mask, mark samples packed into that row:
         transformers then keeps each sample's attention to itself (its packed-sequence mask).
 
-        Hooks record the input of each aux layer (and of the final norm for id L), so only the requested
+        Hooks record the input of each aux layer (and the last layer's output for id L), so only the requested
         layers are kept, not all L+1 hidden states.
         """
         ids = self.check_aux_layer_ids(aux_layer_ids if aux_layer_ids is not None else self.default_aux_layer_ids())
         recorded: dict[int, torch.Tensor] = {}
-
-        def recorder(layer_id):
-            def hook(module, args, kwargs):
-                hidden = args[0] if args else kwargs["hidden_states"]
-                recorded[layer_id] = hidden
-
-            return hook
-
-        modules = [(i, self.layers[i] if i < self.num_layers else self.final_norm) for i in set(ids)]
-        handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in modules]
+        handles = [layer_recorder(self.layers, i, recorded) for i in set(ids)]
         try:
-            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=False)
+            out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                        use_cache=False)
         finally:
             for h in handles:
                 h.remove()
@@ -316,16 +316,20 @@ class TargetModel:
         """An empty cache. On CUDA the cache of each batch size is pooled (reset and reused while it is long
         enough, grown in steps of CACHE_GRANULE), so graphs captured on it stay valid across requests; a
         TargetModel therefore serves one live request per batch size at a time. Its slots are not positions (a
-        draft tree takes a slot per node): a request is held to the context by `prompt_overflow`."""
+        draft tree takes a slot per node): a request is held to the context by `prompt_overflow`. A target served
+        through transformers' own forward gets transformers' cache behind the same interface."""
+        self._check_step_support()
+        if self._generic is not None:
+            return self._generic.new_cache(batch_size, max_length)
+        layers, heads, head_dim = self.family.cache_shape()
         if not self._graphs_on:
-            return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
-                           self.dtype, self.device)
+            return KVCache(layers, batch_size, heads, head_dim, max_length, self.dtype, self.device)
         cache = self._pooled.get(batch_size)
         if cache is None or cache.max_length < max_length:
             length = -(-max_length // CACHE_GRANULE) * CACHE_GRANULE
             self._graphs.clear()  # graphs point at the old cache's memory
-            cache = self._pooled[batch_size] = KVCache(self.num_layers, batch_size, self.num_kv_heads,
-                                                       self.head_dim, length, self.dtype, self.device)
+            cache = self._pooled[batch_size] = KVCache(layers, batch_size, heads, head_dim, length, self.dtype,
+                                                       self.device)
         cache.length = 0
         return cache
 
@@ -339,7 +343,10 @@ class TargetModel:
         weights become views into the merged matrices, so this costs no memory and the module path (eager steps,
         `generate` of transformers) sees the same numbers. The merge moves the weights: graphs that another
         TargetModel of the same model recorded before are stale afterwards."""
-        self._check_step_support()
+        model_type = getattr(self.config, "model_type", "")
+        if model_type not in SUPPORTED_STEP_MODEL_TYPES:
+            raise TargetError(f"{COMPILE_ENV}=1 compiles the dense layers of {SUPPORTED_STEP_MODEL_TYPES} targets, "
+                              f"not '{model_type}': unset it")
         if getattr(self.config, "hidden_act", "silu") != "silu":
             raise TargetError(f"{COMPILE_ENV}=1 supports SiLU MLPs, not {self.config.hidden_act!r}")
         first = self.layers[0]
@@ -363,11 +370,14 @@ class TargetModel:
         return torch.compile(layer_step, fullgraph=True)
 
     def _check_step_support(self):
-        model_type = getattr(self.config, "model_type", "")
-        if model_type not in SUPPORTED_STEP_MODEL_TYPES:
-            raise TargetError(
-                f"draftsmith's runtime supports target model types {SUPPORTED_STEP_MODEL_TYPES}, not '{model_type}'"
-            )
+        """Refuse, in one line naming the family, a target the runtime cannot serve exactly; note once that a
+        target without an adapter runs through transformers' own forward."""
+        reason = unsupported_reason(self.config)
+        if reason is not None:
+            raise TargetError(f"draftsmith's runtime cannot serve this '{self.config.model_type}' target exactly: "
+                              f"{reason}")
+        if self._generic is not None:
+            self._generic.note_once()
 
     def check_positions(self, positions: int) -> None:
         """Refuse a request that reaches `positions` positions past a sliding window: the runtime's forward attends
@@ -396,6 +406,9 @@ class TargetModel:
         if position_ids is None:  # consecutive positions: slot end = positions (batches with holes: new_cache)
             self.check_positions(end)
         aux_ids = tuple(self.check_aux_layer_ids(aux_layer_ids)) if aux_layer_ids is not None else ()
+        if self._generic is not None:  # transformers' own forward advances its cache
+            logits, aux = self._generic.step(input_ids, cache, aux_ids, logits_to_keep, attention_mask, position_ids)
+            return StepOutput(logits=logits, aux_hidden=aux)
         if (self._graphs_on and batch == 1 and num_new <= MAX_GRAPHED_TOKENS and cache is self._pooled.get(batch)
                 and (attention_mask is None) == (position_ids is None)):  # plain steps, or one request's tree
             logits, aux = self._graphed_step(input_ids, cache, aux_ids, logits_to_keep, attention_mask, position_ids)
@@ -413,11 +426,11 @@ class TargetModel:
 
     def _layers_forward(self, input_ids, position_ids, cache, start, end, attention_mask, aux_ids, logits_to_keep,
                         slots=None):
-        """The decoder stack over the cache. With `start`/`end` None the step is shape-static (for CUDA graphs):
-        K/V are scattered at `slots` (default: the positions) and every query attends over the whole cache, masked
-        by position (or by `attention_mask` (1, 1, T, T_max) for a tree), so stale entries past the current length
-        (rejected drafts) are never seen."""
-        batch, num_new = input_ids.shape
+        """The decoder stack over the cache, each layer as the target's family runs it (models/targets). With
+        `start`/`end` None the step is shape-static (for CUDA graphs): K/V are scattered at `slots` (default: the
+        positions) and every query attends over the whole cache, masked by position (or by `attention_mask`
+        (1, 1, T, T_max) for a tree), so stale entries past the current length (rejected drafts) are never seen."""
+        family = self.family
         wanted = set(aux_ids)
         recorded: dict[int, torch.Tensor] = {}
         if start is None:
@@ -426,44 +439,22 @@ class TargetModel:
                 attention_mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # (B, 1, T, T_max)
             if slots is None:
                 slots = position_ids[0]  # (T,) rows share positions (B == 1)
-
-        hidden = self.embed_tokens(input_ids)  # (B, T, H)
-        cos, sin = self.model.model.rotary_emb(hidden, position_ids)  # (B, T, hd)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-        for i, layer in enumerate(self.layers):
+        state = StepState(cache, start, end, slots, position_ids,
+                          masks=step_masks(attention_mask, position_ids, end, family.windows))
+        hidden = family.embed(input_ids, state)  # (B, T, H)
+        for i in range(self.num_layers):
             if i in wanted:
                 recorded[i] = hidden
             if start is None and self._compiled_layer is not None:
-                hidden = self._compiled_layer(hidden, cos, sin, attention_mask, slots, cache.keys[i],
+                hidden = self._compiled_layer(hidden, *state.rotary, attention_mask, slots, cache.keys[i],
                                               cache.values[i], self._layer_weights[i])
-                continue
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(batch, num_new, -1, self.head_dim)  # (B, T, h, hd)
-            k = attn.k_proj(x).view(batch, num_new, -1, self.head_dim)
-            v = attn.v_proj(x).view(batch, num_new, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if start is None:
-                cache.keys[i].index_copy_(2, slots, k)
-                cache.values[i].index_copy_(2, slots, v)
-                keys, values = cache.keys[i], cache.values[i]
             else:
-                cache.keys[i, :, :, start:end] = k
-                cache.values[i, :, :, start:end] = v
-                keys, values = cache.keys[i, :, :, :end], cache.values[i, :, :, :end]
-            out = attend(q, keys, values, attention_mask, scale=self.head_dim ** -0.5)  # (B, h, T, hd)
-            out = out.transpose(1, 2).reshape(batch, num_new, -1)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                hidden = family.layer(i, hidden, state)
         if self.num_layers in wanted:
             recorded[self.num_layers] = hidden
 
         kept = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
-        logits = self.lm_head(self.final_norm(kept)).float()  # (B, T_kept, V)
+        logits = family.logits(kept).float()  # (B, T_kept, V)
         aux = torch.cat([recorded[i] for i in aux_ids], dim=-1) if aux_ids else None
         return logits, aux
 
@@ -557,8 +548,8 @@ def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, e
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
     keys.index_copy_(2, slots, k)
     values.index_copy_(2, slots, v)
     out = grouped_attention(q, keys, values, mask, scale=head_dim ** -0.5)
@@ -566,11 +557,6 @@ def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, e
     x = rms_norm(hidden, ln2, eps)
     gate, up = F.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
     return hidden + F.linear(F.silu(gate) * up, wd, bd)
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def load_target_tokenizer(target: str, label: str, error: type[ValueError] = ValueError):

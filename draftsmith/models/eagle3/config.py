@@ -16,6 +16,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
 from draftsmith.models.eagle3.section import default_aux_layer_ids
 from draftsmith.models.spec import check_layer_ids
+from draftsmith.models.targets.base import config_attribute
 
 METHOD = "eagle3"
 # The forward-pass flags of vLLM's and speculators' EAGLE-3 that draftsmith implements (config.json names).
@@ -68,12 +69,12 @@ class Eagle3Config:
         num_layers = target.num_hidden_layers
         ids = default_aux_layer_ids(num_layers) if aux_layer_ids is None else \
             check_layer_ids(aux_layer_ids, "model.aux_layer_ids", num_layers, "capture")
-        head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
+        head_dim = config_attribute(target, "head_dim") or target.hidden_size // target.num_attention_heads
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size,
             num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=getattr(target, "num_key_value_heads", None) or target.num_attention_heads,
+            num_key_value_heads=config_attribute(target, "num_key_value_heads") or target.num_attention_heads,
             head_dim=head_dim,
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
