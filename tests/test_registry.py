@@ -25,6 +25,9 @@ from draftsmith.models.target import TargetModel
 SMALL_SECTIONS = {"dflash": {"num_layers": 1, "block_size": 4, "anchors_per_sequence": 16},
                   "dspark": {"num_layers": 1, "block_size": 4, "anchors_per_sequence": 16, "markov_rank": 8},
                   "mtp": {"num_depths": 2}}
+# Methods that draft for one target family only, proven end to end on it in their own test file instead of on the
+# tiny Llama here: gemma4_mtp (a Gemma 4 assistant over a Gemma 4 target's cache) in tests/test_gemma4_mtp.py.
+FAMILY_BOUND = {"gemma4_mtp": "tests/test_gemma4_mtp.py::test_fine_tune_raises_acceptance_export_serves_it"}
 K = 3
 
 
@@ -81,6 +84,8 @@ def chats(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", registry.methods())
 def test_every_method_trains_exports_imports_and_generates_losslessly(method, tiny_target, chats, tmp_path):
+    if method in FAMILY_BOUND:
+        pytest.skip(f"{method} drafts for one target family: {FAMILY_BOUND[method]}")
     spec = registry.get(method)
     recipe = recipe_from_dict({
         "model": {"target": str(tiny_target), "method": method, "dtype": "float32"},

@@ -185,6 +185,8 @@ class SpeculativeGenerator:
             # verified and counted (vLLM's counters include them) but never output. So each row drafts what it
             # would alone, and the counters are the ones a vLLM dashboard shows for the same requests.
             num_drafts = k
+            if getattr(proposer, "reads_target_cache", False):  # a drafter attending to the target's cache
+                proposer.see_target_cache(cache, valid)
             proposal = proposer.propose(num_drafts) if proposer is not None else None
             drafts = _step_drafts(proposal, num_drafts, batch, device)
             # vLLM's trim: the drafts after which a row, bonus token included, still fits the context (c + w + 1).

@@ -120,6 +120,12 @@ class Proposer(Protocol):
     # it ended (its output's last tokens), which a proposer learning from whole outputs needs; the row is never
     # asked for drafts again.
     # extends_finished_rows: bool
+    # Optional, False when absent: True makes the runtime call `see_target_cache(cache, valid)` before every
+    # `propose`, for a drafter that attends to the target's own KV cache instead of keeping one (Gemma 4's
+    # assistant, as vLLM shares the target's cache with it): `cache` is the target's `KVCache` as the step left
+    # it, holding every committed position but the last token, `valid` (B, T_max) bool which slots each row may
+    # attend to (None: every slot below cache.length). Both are read, never written.
+    # reads_target_cache: bool
 
     def begin(self, prompt_ids: Tensor, sampler: Sampler | None = None) -> None:
         """Start new request(s): forget all previous state. `prompt_ids` is (B, S), PAD_DRAFT_TOKEN-padded."""

@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from draftsmith import device as dev
@@ -336,10 +337,24 @@ def parse_spec_config(text_or_dict: str | Mapping[str, Any], device_type: str | 
                       prompt_lookup_min=low, **suffix, **tree, **hybrid, **_deployment_options(raw), options=options)
 
 
+def _served_drafter(spec: SpecConfig):
+    """The registry spec an engine method serves under its own name, chosen by the model's config.json (vLLM's
+    `mtp` with a Gemma 4 assistant: `registry.served_as`); None when the model is no such drafter. The parsed config
+    keeps the engine's method, so `draftsmith eval` recommends what vLLM takes."""
+    if not spec.model:
+        return None
+    path = Path(spec.model) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None  # the method's own loader reports a broken folder
+    return registry.served_as(spec.method, config) if isinstance(config, dict) else None
+
+
 def build_proposer(spec: SpecConfig, target):
     """The proposer for `spec.method` (its registry spec's `proposer`, or a model-free one), built with
     `from_config(spec, target)`; with `suffix_hybrid`, wrapped with a suffix proposer."""
-    drafter = registry.find(spec.method)
+    drafter = _served_drafter(spec) or registry.find(spec.method)
     if drafter is not None:
         try:
             cls = resolve(drafter.proposer)

@@ -14,6 +14,7 @@ from draftsmith.models.dflash.spec import SPEC as DFLASH
 from draftsmith.models.dspark.spec import SPEC as DSPARK
 from draftsmith.models.eagle.spec import SPEC as EAGLE
 from draftsmith.models.eagle3.spec import SPEC as EAGLE3
+from draftsmith.models.gemma4_mtp.spec import SPEC as GEMMA4_MTP
 from draftsmith.models.mtp.spec import SPEC as MTP
 from draftsmith.models.spec import DrafterSpec, ExportFormat
 
@@ -21,6 +22,7 @@ SPECS: tuple[DrafterSpec, ...] = (
     EAGLE3,
     EAGLE,
     MTP,
+    GEMMA4_MTP,
     DFLASH,
     DSPARK,
 )
@@ -46,6 +48,15 @@ def get(method: str) -> DrafterSpec:
 
 def find(method: str) -> DrafterSpec | None:
     return _BY_METHOD.get(method) or _BY_ALIAS.get(method)
+
+
+def served_as(method: str, config: Mapping[str, Any]) -> DrafterSpec | None:
+    """The spec whose drafter an engine serves under `method` (its `served_as`) and whose layout `config` (the
+    drafter's config.json) is, or None: Gemma 4's assistant named as vLLM's `mtp`."""
+    for spec in SPECS:
+        if method in spec.served_as and any(f.detect is not None and f.detect(config) for f in spec.formats):
+            return spec
+    return None
 
 
 def formats() -> dict[str, tuple[DrafterSpec, ExportFormat]]:

@@ -108,6 +108,10 @@ class DrafterSpec:
     check_recipe: Callable[[Any, Mapping[str, Any] | None], None] = lambda recipe, target: None
     # Other names engines give the method in a speculative config (vLLM's deepseek_mtp -> mtp)
     engine_aliases: tuple[str, ...] = ()
+    # Engine methods that serve this method's drafter under their own name, told apart by the drafter's
+    # config.json (one of `formats`' `detect`): vLLM serves Gemma 4's assistant as {"method": "mtp", "model": ...}.
+    # A speculative config of such a method whose model this spec detects runs this spec's proposer.
+    served_as: tuple[str, ...] = ()
     draft_vocab: bool = False  # reads out through its own draft vocabulary (model.draft_vocab_size)
     scored_drafts: bool = False  # its drafts carry per-token scores: trees and probabilistic drafts
     model_required: bool = True  # a speculative config must name "model" (MTP falls back to the target's)
