@@ -149,6 +149,9 @@ class TrainingConfig(BaseModel):
     loss: Literal["soft_ce", "lk"] = "soft_ce"
     lk_eta: float = Field(3.0, gt=0)
     mask_outside_draft_vocab: bool = True  # drop positions whose target argmax is not in the draft vocabulary
+    # EAGLE-3: train the draft head (started from the target's rows of the draft vocabulary); false keeps it
+    # frozen at those rows, as the speculators package trains (its lm_head has requires_grad False)
+    train_draft_head: bool = True
     # Micro-batches of similar-length samples filling this many (padded) tokens each, instead of batch_size
     # samples; None = batch_size samples.
     tokens_per_step: int | None = Field(None, ge=16)
@@ -229,6 +232,9 @@ class _RecipeCore(BaseModel):
         if self.training.loss not in spec.losses:
             raise ValueError(f"training.loss {self.training.loss} is not implemented for model.method "
                              f"{self.model.method}: it trains with {' or '.join(spec.losses)}")
+        if not self.training.train_draft_head and self.model.method != "eagle3":
+            raise ValueError(f"training.train_draft_head=false is implemented for eagle3; model.method "
+                             f"{self.model.method} reads out as it always does (set training.train_draft_head=true)")
         spec.check_recipe(self, None)
         return self
 

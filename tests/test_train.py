@@ -418,3 +418,26 @@ def test_an_uncached_hub_target_of_a_recipe_fails_at_once_when_the_hub_cannot_be
     (line,) = failed.stderr.strip().splitlines()
     assert "model.target org/not-cached: not a local folder and not cached locally" in line
     assert "Hugging Face Hub cannot be reached" in line
+
+
+@pytest.mark.parametrize("norm_output", [False, True], ids=["head-reads-norm", "norm-output"])
+def test_a_frozen_draft_head_keeps_the_targets_rows_while_the_rest_trains(tmp_path, fixture_target_dir,
+                                                                           norm_output):
+    """training.train_draft_head=false (speculators' way: its lm_head has requires_grad False): the head stays at
+    the target's rows of the draft vocabulary, every other weight moves. With norm_output the loss reads the head
+    alone, without it the head and the final norm (both paths of the fused loss)."""
+    from safetensors.torch import load_file
+
+    from draftsmith.models.target import TargetModel
+
+    data = write_conversations(tmp_path / "conv.jsonl")
+    recipe = tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2, grad_accum_steps=1, save_every=1,
+                         keep_checkpoints=3, train_draft_head=False)
+    recipe.eagle3.norm_output = norm_output
+    train(recipe, log=lambda *a: None)
+    one, two = (load_file(tmp_path / "run" / f"checkpoint-{n}" / "model.safetensors") for n in (1, 2))
+    target = TargetModel.from_pretrained(str(fixture_target_dir), dtype="float32")
+    rows = two["d2t"] + torch.arange(two["d2t"].numel())
+    assert torch.equal(two["lm_head.weight"].float(), target.lm_head.weight[rows].float())
+    moved = {k for k in two if two[k].is_floating_point() and not torch.equal(two[k], one[k])}
+    assert "lm_head.weight" not in moved and {"fc.weight", "midlayer.mlp.down_proj.weight"} <= moved

@@ -73,6 +73,7 @@ SAME_RUN_IGNORED = {"data.cache_dir"}
 # of processes as long as their product (the micro-batch of all processes) stays. The rest may change: when to stop
 # (max_steps, epochs, max_minutes; the schedule stays the checkpoint's), logging, saving, memory and speed knobs.
 SAME_RUN_TRAINING = ("optimizer", "lr", "muon_lr", "adam_betas", "weight_decay", "lr_schedule", "warmup_ratio",
+                     "train_draft_head",
                      "time_probe_steps", "seed", "grad_accum_steps", "tokens_per_step", "packing")
 NEARLY_FULL_BYTES = 64 * 2**20  # torch.save reports a full disk as a RuntimeError without errno: this little left
 

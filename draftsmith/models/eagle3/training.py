@@ -26,6 +26,7 @@ class Eagle3Method:
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps
         self.compile_steps = training.compile_drafter
+        self.train_head = training.train_draft_head
         self.config = Eagle3Config.from_target(
             target.config, draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size), recipe.model.aux_layer_ids,
             target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
@@ -50,6 +51,7 @@ class Eagle3Method:
             drafter.compile_steps()
         drafter.set_draft_vocab(d2t.to(self.target.device), t2d.to(self.target.device))
         init_drafter_from_target(drafter, self.target.lm_head.weight.float())
+        drafter.lm_head.weight.requires_grad_(self.train_head)  # frozen: the target's rows, as speculators has it
         return drafter
 
     def loss(self, drafter, batch: dict[str, torch.Tensor]):
