@@ -255,3 +255,102 @@ def test_recipe_rules():
     with pytest.raises(RecipeError, match="aux_layer_ids"):
         recipe_from_dict({**base, "model": {**base["model"], "aux_layer_ids": [1]}, "gemma4_mtp": {"assistant": "a"}})
     recipe_from_dict({**base, "gemma4_mtp": {"assistant": "a", "num_steps": 2}})
+
+
+# ---- end to end: `draftsmith train` fine-tunes the assistant, the export serves it as vLLM's mtp -----------------
+TOPICS = ["rivers", "mountains", "stars", "forests", "oceans", "deserts"]
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    topic = TOPICS[i % len(TOPICS)]
+    return [{"role": "user", "content": f"Tell me about {topic}, number {i}."},
+            {"role": "assistant", "content": f"Here is a short note about {topic}. The {topic} are large and old, "
+                                             f"and the {topic} are loved by many people around the world."}]
+
+
+def trained_target(folder, fixture_target_dir, steps: int = 120):
+    """A tiny Gemma 4 target with the fixture's tokenizer, trained `steps` steps on the chats, so its greedy
+    answers have structure an assistant can learn (a random target's are noise)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
+    model = random_target(vocab=len(tokenizer), seed=2)
+    model.config.bos_token_id = tokenizer.bos_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    texts = [tokenizer.apply_chat_template(conversation(i), tokenize=True) for i in range(24)]
+    texts = [t["input_ids"] if isinstance(t, dict) or hasattr(t, "keys") else t for t in texts]
+    width = max(len(t) for t in texts)
+    ids = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t in texts])
+    labels = ids.masked_fill(ids == tokenizer.pad_token_id, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(fixture_target_dir / name, folder / name)
+    return folder, tokenizer, float(loss.detach())
+
+
+def acceptance(target, model_path, prompts, k: int = 3, new: int = 24):
+    """(mean acceptance length, acceptance rate, outputs) of {"method": "mtp", "model": model_path}."""
+    spec = parse_spec_config({"method": "mtp", "model": str(model_path), "num_speculative_tokens": k}, "cpu")
+    generator = SpeculativeGenerator(target, build_proposer(spec, target), k)
+    drafts = accepted = tokens = 0
+    outputs = []
+    for prompt in prompts:
+        result = generator.generate(torch.tensor([prompt]), new)
+        drafts += result.metrics.num_drafts
+        tokens += result.metrics.num_draft_tokens
+        accepted += result.metrics.num_accepted_tokens
+        outputs.append(result.token_ids)
+    return 1 + accepted / max(drafts, 1), accepted / max(tokens, 1), outputs
+
+
+@pytest.mark.slow
+def test_fine_tune_raises_acceptance_export_serves_it(tmp_path, fixture_target_dir):
+    """`draftsmith train` with model.method gemma4_mtp fine-tunes a (random) published assistant on a tiny Gemma 4
+    target trained here; acceptance before (the assistant as published) and after (its export), both served as
+    vLLM's {"method": "mtp"}, greedy output equal to plain greedy either way."""
+    from draftsmith.config import recipe_from_dict
+    from draftsmith.models.export import export_all
+    from draftsmith.models.importer import import_checkpoint
+    from draftsmith.train import train
+
+    folder, tokenizer, target_loss = trained_target(tmp_path / "target", fixture_target_dir)
+    vocab = len(tokenizer)
+    assistant = published(tmp_path / "assistant", random_assistant(vocab, centroids=16, top_k=4))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"conversations": conversation(i)}) + "\n" for i in range(24)))
+    recipe = recipe_from_dict({
+        "model": {"target": str(folder), "method": "gemma4_mtp", "dtype": "float32"},
+        "data": {"path": str(chats), "max_length": 128, "eval_samples": 0, "cache_dir": str(tmp_path / "cache")},
+        "training": {"max_steps": 40, "batch_size": 8, "lr": 3e-3, "mixed_precision": "no", "log_every": 1000,
+                     "eval_every": 100000, "save_every": 100000},
+        "gemma4_mtp": {"assistant": str(assistant), "num_steps": 3},
+        "output_dir": str(tmp_path / "run"),
+    })
+    checkpoint = train(recipe, log=lambda *a: None)
+    results, _ = export_all(checkpoint, tmp_path / "export", dtype=None)
+    exported = results["gemma4_mtp"].out_dir
+    imported = import_checkpoint(exported, tmp_path / "imported", target=str(folder))
+    assert json.loads((imported.out_dir / "config.json").read_text())["method"] == "gemma4_mtp"
+
+    target = TargetModel.from_pretrained(folder, dtype="float32", device="cpu")
+    prompts = [tokenizer.apply_chat_template(conversation(i)[:1], tokenize=True, add_generation_prompt=True)
+               for i in range(24, 28)]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    plain = [SpeculativeGenerator(target, None, 0).generate(torch.tensor([p]), 24).token_ids for p in prompts]
+    before_tau, before_rate, before_out = acceptance(target, assistant, prompts)
+    after_tau, after_rate, after_out = acceptance(target, exported, prompts)
+    print(json.dumps({"target LM loss": round(target_loss, 3), "k": 3, "prompts": len(prompts), "max_new_tokens": 24,
+                      "before": {"mean acceptance length": round(before_tau, 3), "acceptance rate":
+                                 round(before_rate, 3)},
+                      "after": {"mean acceptance length": round(after_tau, 3), "acceptance rate":
+                                round(after_rate, 3)}}))
+    assert before_out == plain and after_out == plain
+    assert after_tau > before_tau
