@@ -3,18 +3,22 @@ tokens/s, peak memory, model FLOPs per token by term and MFU, against the target
 same batch, all in one process.
 
     python benchmarks/train_8b_shape.py --out train_8b_shape.json \
-        --runs "eagle3/reference:2048x4 eagle3:2048x4 eagle3/reference:2048x16 eagle3:2048x16 eagle3:8192x4 \
+        --runs "eagle3+reference:2048x16 eagle3+flex:2048x16 eagle3+reference:8192x4 eagle3+flex:8192x4 \
                 eagle3:32768x1 dflash:2048x16"
 
-A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `draftsmith train` runs (Eagle3Method.loss:
-target capture, teacher, blocked TTT attention, fused chunked loss, under bf16 autocast with fp32 master weights
-and AdamW, as accelerate's bf16 mixed precision does); `eagle3/reference` the path training took before (S x S
-scores and whole-step logits kept for the backward pass); `+ckpt` adds training.checkpoint_ttt_steps, `+compile`
-training.compile_drafter (its compilation falls in the untimed warm-up steps). `dflash` runs DflashMethod.loss,
+A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `draftsmith train` runs with the
+recipe defaults (Eagle3Method.loss: target capture, teacher, TTT attention, fused chunked loss, under bf16 autocast
+with fp32 master weights and AdamW, as accelerate's bf16 mixed precision does), its TTT attention kernel, query
+block and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_attention`, `query_block`,
+`loss_chunk_rows`); `+flex` and `+reference` force training.ttt_attention (FlexAttention, or the plain-torch blocked
+reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` training.compile_drafter (compilations, the
+FlexAttention kernel's too, fall in the untimed warm-up steps). `eagle3/reference` is the path training took before
+blocked attention (S x S scores and whole-step logits kept for the backward pass). `dflash` runs DflashMethod.loss,
 `dflash+ckpt` with dflash.checkpoint_layers; `mtp` MtpMethod.loss (one new module, mtp.num_depths from the
-recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first --warmup untimed; a run that runs out of memory is recorded as such
-and the next one starts. MFU is counted with train/flops.py against the bf16 matrix rate measured in
-the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the issue measured).
+recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first --warmup untimed; a run that
+runs out of memory or fails is recorded as such and the next one starts. MFU is counted with train/flops.py against
+the bf16 matrix rate measured in the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the
+issue measured).
 Random weights and tokens make the losses meaningless but not the timing or the memory.
 """
 
@@ -55,7 +59,8 @@ def matmul_tflops(device, n: int = 8192) -> float | None:
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
-FLAGS = {"ckpt": "checkpoint_ttt_steps", "compile": "compile_drafter"}  # eagle3+FLAG: training.KEY=true
+FLAGS = {"ckpt": ("checkpoint_ttt_steps", True), "compile": ("compile_drafter", True),  # eagle3+FLAG: training.KEY
+         "flex": ("ttt_attention", "flex"), "reference": ("ttt_attention", "reference")}
 
 
 def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
@@ -66,9 +71,10 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     method, *flags = head.split("+")
     if (method not in ("eagle3", "dflash", "mtp") or variant not in ("", "reference")
             or (variant and method != "eagle3") or any(f not in FLAGS for f in flags)
-            or (method == "dflash" and set(flags) - {"ckpt"}) or (method == "mtp" and flags)):
-        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][/reference]:SEQxBATCH, "
-                         "dflash[+ckpt]:SEQxBATCH or mtp:SEQxBATCH")
+            or (method == "dflash" and set(flags) - {"ckpt"}) or (method == "mtp" and flags)
+            or {"flex", "reference"} <= set(flags) or (variant and {"flex", "reference"} & set(flags))):
+        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][+flex|+reference][/reference]:SEQxBATCH "
+                         "(/reference: the dense path, its own attention), dflash[+ckpt]:SEQxBATCH or mtp:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 
@@ -81,7 +87,7 @@ def build_method(name: str, target: TargetModel, args, flags=()):
         "data": {"path": "unused.jsonl", "max_length": 32768},
         "training": {"ttt_steps": args.ttt_steps, "ttt_query_block": args.query_block,
                      "loss_chunk_size": args.loss_chunk,
-                     **({FLAGS[f]: True for f in flags} if name == "eagle3" else {})},
+                     **(dict(FLAGS[f] for f in flags) if name == "eagle3" else {})},
         "output_dir": "unused",
         **({"dflash": {"mask_token_id": target.vocab_size - 1,  # no tokenizer
                        "checkpoint_layers": "ckpt" in flags}} if name == "dflash" else {}),
@@ -96,13 +102,32 @@ def build_method(name: str, target: TargetModel, args, flags=()):
 
 def reference_loss(method, drafter, batch):
     """The EAGLE-3 training step before blocked attention and the fused loss: whole S x S scores and logits."""
+    drafter.ttt_attention = "reference"
     captured = method.target.capture(batch["input_ids"], batch["attention_mask"], method.aux_layer_ids)
     teacher, in_draft = teacher_targets(captured.last_hidden, method.target.lm_head, drafter.t2d)
     with torch.no_grad():
         embeds = method.target.embed_tokens(batch["input_ids"])
     logits = drafter.forward_ttt(captured.aux_hidden, embeds, method.ttt_steps, query_block=embeds.shape[1])
-    options = {k: v for k, v in method.loss_options.items() if k != "chunk_size"}
+    options = {k: v for k, v in method.loss_options.items() if k not in ("chunk_size", "loss_grad")}  # whole logits
     return ttt_loss(logits, teacher, in_draft, batch["loss_mask"], **options)
+
+
+def chosen_kernels(method, drafter, dense: bool, seq: int, batch: int, args) -> dict:
+    """What the run computes with: EAGLE-3's TTT attention kernel and (for the reference) its query block, and the
+    loss chunk's rows, as the trainer chooses them from the recipe keys (None: by size)."""
+    from draftsmith.kernels.chunked_loss import loss_chunk_rows
+    from draftsmith.kernels.ttt_attention import query_block_for
+
+    if method.name != "eagle3":
+        return {}
+    if dense:
+        return {"ttt_attention": "dense", "query_block": seq,
+                "loss_chunk_rows": None}  # the whole S x S scores, whole-step logits
+    config = drafter.config
+    block = (None if drafter.ttt_attention == "flex"
+             else query_block_for(batch, config.num_attention_heads, seq, method.ttt_steps, drafter.query_block))
+    return {"ttt_attention": drafter.ttt_attention, "query_block": block,
+            "loss_chunk_rows": loss_chunk_rows(config.draft_vocab_size, method.loss_options["chunk_size"])}
 
 
 def forward_only(target: TargetModel, batch, aux_layer_ids, device, repeat: int) -> float:
@@ -121,7 +146,7 @@ def forward_only(target: TargetModel, batch, aux_layer_ids, device, repeat: int)
 def one_run(target, text, args, device, measured_peak) -> dict:
     name, reference, flags, seq, batch_size = parse_run(text)
     result = {"run": text, "method": name, "path": "reference" if reference else "trainer",
-              "training_keys": ({FLAGS[f]: True for f in flags} if name == "eagle3"
+              "training_keys": (dict(FLAGS[f] for f in flags) if name == "eagle3"
                                 else {"dflash.checkpoint_layers": True} if flags else {}),
               "seq": seq, "batch": batch_size}
     g = torch.Generator().manual_seed(0)
@@ -134,6 +159,7 @@ def one_run(target, text, args, device, measured_peak) -> dict:
     try:
         torch.manual_seed(0)
         method, drafter = build_method(name, target, args, flags)
+        result.update(chosen_kernels(method, drafter, reference, seq, batch_size, args))
         optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=None)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type != "cpu")
         times = []
@@ -172,6 +198,10 @@ def one_run(target, text, args, device, measured_peak) -> dict:
     except torch.OutOfMemoryError as e:
         result.update(error="out of memory", message=str(e).splitlines()[0][:300],
                       peak_memory_gib=dev.max_memory_allocated(device) / 2**30)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to compile here must not cost the other runs
+        result.update(error=type(e).__name__, message=str(e)[:2000],
+                      peak_memory_gib=dev.max_memory_allocated(device) / 2**30)
+        print(f"  {text} failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     finally:
         method = drafter = optimizer = None
         gc.collect()
@@ -187,8 +217,10 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke run")
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=32000)
-    p.add_argument("--query-block", type=int, default=1024)
-    p.add_argument("--loss-chunk", type=int, default=1024)
+    p.add_argument("--query-block", type=int, default=None,
+                   help="training.ttt_query_block (default: the trainer's choice by size)")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="training.loss_chunk_size (default: the trainer's choice by size)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
@@ -217,12 +249,13 @@ def main(argv=None) -> int:
         report["runs"].append(one_run(target, text, args, device, measured_peak))
         save()  # a run cut short keeps what finished
     print(f"matmul {measured_peak or 0:.0f} TFLOP/s")
-    print(f"{'run':28} {'tok/s':>9} {'peak GiB':>9} {'fwd tok/s':>10} {'ratio':>6} {'MFU790':>7}")
+    print(f"{'run':28} {'attention':>10} {'tok/s':>9} {'peak GiB':>9} {'fwd tok/s':>10} {'ratio':>6} {'MFU790':>7}")
     for r in report["runs"]:
+        attention = r.get("ttt_attention", "-")
         if "error" in r:
-            print(f"{r['run']:28} {r['error']} (peak {r['peak_memory_gib']:.1f} GiB)")
+            print(f"{r['run']:28} {attention:>10} {r['error']} (peak {r['peak_memory_gib']:.1f} GiB)")
         else:
-            print(f"{r['run']:28} {r['tokens_per_s']:9.0f} {r['peak_memory_gib']:9.1f} "
+            print(f"{r['run']:28} {attention:>10} {r['tokens_per_s']:9.0f} {r['peak_memory_gib']:9.1f} "
                   f"{r['target_forward_only_tokens_per_s']:10.0f} {r['ratio_to_forward_only']:6.2f} "
                   f"{r.get('mfu_vs_790', float('nan')):7.1%}")
     return 0

@@ -159,12 +159,16 @@ class TrainingConfig(BaseModel):
     # restarting and attention kept inside each sample (no padding computed at all)
     packing: bool = False
     time_probe_steps: int = Field(10, ge=3)  # with max_minutes: steps timed (at lr 0) to plan the schedule
-    # Memory: EAGLE-3's TTT attention computes this many queries at a time and recomputes them in the backward pass
-    # (no S x S scores are kept; shorter sequences take one block), and every method's loss reads the head's logits
-    # this many positions at a time (no step's (B, S, V) logits are kept). Neither changes the result. None: chosen
-    # by size (kernels/ttt_attention.query_block_for: one block while a step's B*h*S*S scores fit 2^28;
-    # kernels/chunked_loss.loss_chunk_rows: 2^27 logits a chunk), since blocking costs small models time for memory
-    # they do not need.
+    # EAGLE-3's TTT attention kernel (kernels/ttt_attention.py): auto = FlexAttention compiled to Triton on CUDA and
+    # ROCm (DRAFTSMITH_FLEX_ATTENTION=0 turns it off), the plain-torch reference on NPU and CPU; flex or reference
+    # force one (flex is refused where it cannot run). Both compute the same attention.
+    ttt_attention: Literal["auto", "flex", "reference"] = "auto"
+    # Memory: the reference TTT attention computes this many queries at a time and recomputes them in the backward
+    # pass (no S x S scores are kept; shorter sequences take one block; FlexAttention needs no blocks), and every
+    # method's loss reads the head's logits this many positions at a time (no step's (B, S, V) logits are kept).
+    # Neither changes the result. None: chosen by size (kernels/ttt_attention.query_block_for: one block while all TTT
+    # steps' ttt_steps*B*h*S*S scores fit 2^28; kernels/chunked_loss.loss_chunk_rows: 2^27 logits a chunk), since
+    # blocking costs small models time for memory they do not need.
     ttt_query_block: int | None = Field(None, ge=16)
     loss_chunk_size: int | None = Field(None, ge=16)
     # How each loss chunk's gradient is taken (kernels/chunked_loss.py): in the forward pass while its logits exist

@@ -24,6 +24,7 @@ float32 for a training step: an explicit bf16 there warns (`native_bf16`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import platform
 import sys
@@ -295,6 +296,15 @@ def peak_matrix_tflops(device: torch.device | str) -> float | None:
 def graphs_supported(device: torch.device | str) -> bool:
     """Whether fixed-shape steps may be replayed as CUDA graphs (CUDA and ROCm; off with DRAFTSMITH_CUDA_GRAPHS=0)."""
     return _device_type(device) == "cuda" and os.environ.get("DRAFTSMITH_CUDA_GRAPHS", "1") != "0"
+
+
+def compiled_flex_attention(device: torch.device | str) -> bool:
+    """Whether training may run FlexAttention compiled to Triton kernels on `device`: CUDA and ROCm with Triton
+    importable, unless DRAFTSMITH_FLEX_ATTENTION=0 (kernels/ttt_attention.resolve_backend reads it). NPU and CPU
+    have no compiled FlexAttention with a backward pass; they take the plain-torch reference."""
+    if _device_type(device) != "cuda" or os.environ.get("DRAFTSMITH_FLEX_ATTENTION", "1") == "0":
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

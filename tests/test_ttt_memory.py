@@ -65,9 +65,9 @@ def test_blocked_ttt_attention_keeps_no_s_by_s_scores_for_the_backward_pass():
     assert max((torch.Size(x).numel() for x in blocked), default=0) <= 2 * 4 * s * 8  # inputs (B, h, S, hd) only
 
 
-def tiny_drafter(seed=0, vocab=50, draft_vocab=24, **flags):
+def tiny_drafter(seed=0, vocab=50, draft_vocab=24, head_dim=8, **flags):
     config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=8, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=32,
+                          head_dim=head_dim, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=32,
                           num_target_layers=4, aux_layer_ids=[0, 1, 2], max_position_embeddings=256, **flags)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(config)
@@ -180,18 +180,23 @@ def test_compiled_ttt_steps_give_the_same_loss_and_gradients():
 
 
 def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
-    """training.ttt_query_block and loss_chunk_size left at None: one attention block while a step's B*h*S*S scores
-    fit DENSE_SCORES_LIMIT, blocks of 1024 beyond it; loss chunks of LOSS_CHUNK_ELEMENTS logits. Whichever is
-    chosen, the loss and gradients are those of whole-step logits."""
+    """training.ttt_query_block and loss_chunk_size left at None: one attention block while all TTT steps'
+    steps*B*h*S*S scores (every step's are alive until the backward pass) fit DENSE_SCORES_LIMIT, blocks of 1024
+    beyond it; loss chunks of LOSS_CHUNK_ELEMENTS logits. Whichever is chosen, the loss and gradients are those of
+    whole-step logits."""
     import draftsmith.kernels.chunked_loss as chunked_loss
     import draftsmith.kernels.ttt_attention as attention
     import draftsmith.models.eagle3.loss as eagle3_loss
     from draftsmith.config import TrainingConfig
 
     assert TrainingConfig().ttt_query_block is None and TrainingConfig().loss_chunk_size is None
-    assert attention.query_block_for(4, 6, 2048, None) == 2048  # the fixture's 8,192-token steps: one block
-    assert attention.query_block_for(4, 32, 2048, None) == 1024  # an 8B shape's (32 heads): blocked
-    assert attention.query_block_for(4, 6, 2048, 512) == 512  # a value set in the recipe stands
+    assert attention.query_block_for(4, 6, 2048, 1, None) == 2048  # the fixture's 8,192 tokens, one step: one block
+    assert attention.query_block_for(4, 6, 2048, 7, None) == 1024  # TTT 7: seven steps' scores, blocked
+    assert attention.query_block_for(2, 6, 4096, 7, None) == 1024  # issue 28's 11.4 GB step: blocked
+    assert attention.query_block_for(4, 6, 1024, 7, None) == 1024  # 4 x 1,024 tokens, TTT 7: one block
+    assert attention.query_block_for(4, 6, 1536, 7, None) == 1024  # 4 x 1,536, TTT 7: past 2^28 scores, blocked
+    assert attention.query_block_for(4, 32, 2048, 1, None) == 1024  # an 8B shape's (32 heads): blocked
+    assert attention.query_block_for(4, 6, 2048, 7, 512) == 512  # a value set in the recipe stands
     assert chunked_loss.loss_chunk_rows(12_000, None) == 11_184
     assert chunked_loss.loss_chunk_rows(32_000, None) == 4_194
     assert chunked_loss.loss_chunk_rows(12_000, 100) == 100
@@ -222,8 +227,10 @@ def test_unset_blocks_are_chosen_by_size_and_change_nothing(monkeypatch):
         return calls.count("_attend"), calls.count("_chunk_loss")
 
     assert run() == (0, 3)  # small: one attention block (nothing recomputed), one loss chunk per TTT step
-    monkeypatch.setattr(attention, "DENSE_SCORES_LIMIT", 3 * 4 * 40 * 40 - 1)
     monkeypatch.setattr(attention, "DEFAULT_QUERY_BLOCK", 16)
+    monkeypatch.setattr(attention, "DENSE_SCORES_LIMIT", 3 * 3 * 4 * 40 * 40)
+    assert run() == (0, 3)  # the 3 steps' scores fit: one block
+    monkeypatch.setattr(attention, "DENSE_SCORES_LIMIT", 3 * 4 * 40 * 40)  # one step's scores fit, three do not
     monkeypatch.setattr(chunked_loss, "LOSS_CHUNK_ELEMENTS", 24 * 50)  # 1,024 rows: the floor of a chunk
     assert run() == (3 * 3, 3)  # past the limit: 3 blocks of 16 queries per step, recomputed
     monkeypatch.setattr(eagle3_loss, "loss_chunk_rows", lambda vocab, size: 50)

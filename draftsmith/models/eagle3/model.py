@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.kernels.ttt_attention import ttt_attention
+from draftsmith.kernels.ttt_attention import unroll_attention
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.target import KVCache, attend
 
@@ -103,6 +103,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
         self.query_block: int | None = None  # training: TTT attention queries per block, None = chosen (not saved)
+        self.ttt_attention = "reference"  # training: "flex" or "reference" (kernels/ttt_attention.resolve_backend)
         self.checkpoint_steps = False  # training: recompute each TTT step's layer in the backward pass
         self._compiled_steps = None  # (qkv, finish) compiled by compile_steps
 
@@ -143,26 +144,28 @@ class Eagle3Drafter(nn.Module):
 
     # ---- training: training-time test (TTT) -----------------------------------------------------
     def _attention_qkv(self, embeds, hidden, cos, sin):
-        """One TTT step's queries and its keys and values repeated to every query head, each (B, h, S, hd)."""
-        attn = self.midlayer.self_attn
-        groups = attn.num_heads // attn.num_kv_heads
-        q, k, v = attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
-        return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        """One TTT step's queries (B, h, S, hd), keys and values (B, kv, S, hd)."""
+        return self.midlayer.self_attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
 
     def _step_finish(self, attn_out, hidden):
         return self.output_hidden(self.midlayer.finish(attn_out, hidden))
 
     def compile_steps(self, backend: str = "inductor") -> None:
         """Fuse the elementwise work around each TTT step's matrix products (norms, RoPE, residuals, the gated MLP)
-        with torch.compile (training.compile_drafter). The attention stays as kernels/ttt_attention.py has it."""
+        with torch.compile (training.compile_drafter). The attention is kernels/ttt_attention.py's (FlexAttention
+        compiles on its own)."""
         self._compiled_steps = (torch.compile(self._attention_qkv, backend=backend),
                                 torch.compile(self._step_finish, backend=backend))
 
-    def _ttt_step(self, embeds, hidden, cos, sin, query_block, doc_ids, keys0, values0, *diagonal):
-        """One unrolled draft step: returns its output hidden and its (repeated) keys and values. `diagonal` holds
-        the earlier steps' keys then values (steps 1..i-1); step 0 passes keys0 = values0 = None."""
+    def _ttt_step(self, embeds, hidden, cos, sin, attend, keys0, values0, *diagonal):
+        """One unrolled draft step: returns its output hidden and its keys and values (B, kv or h, S, hd). `attend`
+        is the unroll's attention (kernels/ttt_attention.unroll_attention); `diagonal` holds the earlier steps' keys
+        then values (steps 1..i-1); step 0 passes keys0 = values0 = None."""
         qkv, finish = self._compiled_steps or (self._attention_qkv, self._step_finish)
         q, k, v = qkv(embeds, hidden, cos, sin)
+        if self.ttt_attention == "reference":  # repeated once here, not at every later step that reads them
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, h, S, hd)
         half = len(diagonal) // 2
         diag_keys, diag_values = list(diagonal[:half]), list(diagonal[half:])
         if keys0 is None:
@@ -171,7 +174,7 @@ class Eagle3Drafter(nn.Module):
             diag_keys.append(k)
             diag_values.append(v)
         scale = self.midlayer.self_attn.head_dim ** -0.5
-        out = ttt_attention(q, keys0, values0, diag_keys, diag_values, scale, query_block, doc_ids)  # (B, h, S, hd)
+        out = attend(q, keys0, values0, diag_keys, diag_values, scale)  # (B, h, S, hd)
         return finish(out, hidden), k, v
 
     def forward_ttt(self, aux_hidden, token_embeds, num_steps: int, position_ids=None, return_hidden: bool = False,
@@ -183,8 +186,9 @@ class Eagle3Drafter(nn.Module):
         aux_hidden (B, S, n*H_t): g_t; token_embeds (B, S, H): embed(x_t) of the whole sequence.
         Step i at position t takes embed(x_{t+1+i}) and, for i > 0, the drafter's own output hidden of step i-1
         at t, sits at position t+i, and predicts x_{t+2+i}. Its query attends causally to the step-0 keys and to
-        the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6; kernels/ttt_attention.py
-        computes it `query_block` queries at a time when the whole scores would be large, so no S x S scores are kept).
+        the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6): kernels/ttt_attention.py
+        computes it with FlexAttention where `ttt_attention` is "flex", else `query_block` queries at a time when all
+        steps' scores would be large, so no S x S scores are kept.
         Positions whose input token lies past the end get zero embeddings; the loss masks them.
         Packed rows: `position_ids` restart in every sample (RoPE) and `doc_ids` (B, S) keep the attention inside
         each; a position whose input or target lies in the next sample is masked by the loss (same `doc_ids`).
@@ -193,15 +197,17 @@ class Eagle3Drafter(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=token_embeds.device).unsqueeze(0).expand(b, -1)
         hidden = self.fuse(aux_hidden)  # (B, S, H)
+        attend = unroll_attention(self.ttt_attention, b, self.config.num_attention_heads, s, num_steps,
+                                  token_embeds.device, query_block, doc_ids)  # one mask or block for every step
         keys0 = values0 = None
-        diag_keys, diag_values = [], []  # steps 1..i, each (B, h, S, hd)
+        diag_keys, diag_values = [], []  # steps 1..i, each (B, kv, S, hd) (repeated to h heads for the reference)
         outputs = []
         recompute = self.checkpoint_steps and torch.is_grad_enabled()
         for i in range(num_steps):
             embeds = torch.zeros_like(token_embeds)
             embeds[:, : max(s - 1 - i, 0)] = token_embeds[:, 1 + i:]  # embed(x_{t+1+i})
             cos, sin = self.rope(token_embeds, position_ids + i)
-            args = (embeds, hidden, cos, sin, query_block, doc_ids, keys0, values0, *diag_keys, *diag_values)
+            args = (embeds, hidden, cos, sin, attend, keys0, values0, *diag_keys, *diag_values)
             if recompute:  # keeps the step's inputs only; the layer's activations are recomputed in the backward
                 hidden, k, v = checkpoint(self._ttt_step, *args, use_reentrant=False)
             else:

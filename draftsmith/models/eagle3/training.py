@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets
 from draftsmith.models.eagle3.model import Eagle3Drafter, init_drafter_from_target
@@ -36,6 +37,7 @@ class Eagle3Method:
         self.notes = [f"eagle3: {', '.join(on)} on (vLLM's speculators layout serves them, SGLang does not)"] if on \
             else []
         self.aux_layer_ids = self.config.aux_layer_ids
+        self.ttt_attention = resolve_backend(training.ttt_attention, target.device, self.config.head_dim)
 
     def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
         """FLOP per trained token at this sequence length, by term (train/flops.py), for the MFU log. The TTT steps
@@ -46,6 +48,7 @@ class Eagle3Method:
         """An fp32 drafter (master weights) with the draft vocab and the head started from the target's rows."""
         drafter = Eagle3Drafter(self.config).to(self.target.device)
         drafter.query_block = self.query_block
+        drafter.ttt_attention = self.ttt_attention
         drafter.checkpoint_steps = self.checkpoint_steps
         if self.compile_steps:
             drafter.compile_steps()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 28's kernels on one lent GPU, in one call of at most BUDGET seconds (default 420):
+#
+#   1. the GPU tests of the kernels against their plain-torch references (values and gradients, float32 and
+#      bfloat16): tests/test_ttt_flex.py's compiled FlexAttention TTT attention and training step, and
+#      tests/test_gpu.py's blocked-reference training step; at most TEST_SECONDS (150);
+#   2. benchmarks/train_8b_shape.py on the Llama-3.1-8B shape (random bf16 weights, TTT 7, draft vocabulary 32,000)
+#      with the trainer's own choices of query block and loss chunk, RUNS (default: EAGLE-3 at 16 x 2048 and
+#      4 x 8192, each with FlexAttention and with the plain-torch reference, side by side in one process), STEPS
+#      optimizer steps a run (4, the first 2 untimed: they compile), in the time left.
+#
+# Inputs: the checkout, and the wheels of .whl/ (name .whl in the call's carry list: pydantic is not on the
+# machine). Writes into $OUT (default benchmarks/results/local): gpu_tests.log and gpu_tests.xml,
+# train_8b_shape.json and .log (every run's tokens/s, peak GiB, MFU against 790 TFLOP/s and the measured matmul
+# rate, its attention kernel, query block and loss chunk), and gpu_kernels.json: the command, hardware, versions,
+# the tests' outcome and the runs' figures, with flex / reference ratios at each shape.
+#
+#   OUT=$OUT bash benchmarks/gpu_kernels.sh
+#   LOCAL=1 TINY=1 RUNS="eagle3+reference:256x2 eagle3:256x2" bash benchmarks/gpu_kernels.sh   # a CPU smoke run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/local}"
+BUDGET="${BUDGET:-420}"  # seconds for the whole script
+RUNS="${RUNS:-eagle3+reference:2048x16 eagle3+flex:2048x16 eagle3+flex:8192x4 eagle3+reference:8192x4}"
+mkdir -p "$OUT"
+source benchmarks/device_inputs.sh
+[ -n "${LOCAL:-}" ] || device_python_env  # LOCAL=1: this machine's environment as it is
+PYTHON="${PYTHON:-python3}"
+left() { echo $(( BUDGET - SECONDS )); }
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}"
+
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo cpu) \
+  > "$OUT/gpu.txt"
+
+start=$SECONDS
+timeout "${TEST_SECONDS:-150}" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --durations=10 \
+  --junitxml="$OUT/gpu_tests.xml" tests/test_ttt_flex.py \
+  tests/test_gpu.py::test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu 2>&1 \
+  | tail -40 | tee "$OUT/gpu_tests.log"
+echo "gpu tests: $(( SECONDS - start )) s" | tee -a "$OUT/gpu_tests.log"
+
+start=$SECONDS
+timeout "$(( $(left) - 15 ))" "$PYTHON" benchmarks/train_8b_shape.py --out "$OUT/train_8b_shape.json" --runs "$RUNS" \
+  --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" ${TINY:+--tiny} 2>&1 | grep -v "Warning\|warn(" \
+  | tee "$OUT/train_8b_shape.log" | tail -30
+echo "train_8b_shape: $(( SECONDS - start )) s" | tee -a "$OUT/train_8b_shape.log"
+
+COMMAND="BUDGET=$BUDGET RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }bash benchmarks/gpu_kernels.sh" \
+  "$PYTHON" benchmarks/kernels_summary.py "$OUT"
+ls -la "$OUT"

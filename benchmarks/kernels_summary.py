@@ -1,0 +1,95 @@
+"""gpu_kernels.sh's summary: OUT/gpu_kernels.json from the GPU tests' JUnit XML and train_8b_shape.json, with the
+command, hardware and versions, and FlexAttention against the plain-torch reference at each shape (ratios of runs
+measured side by side in one process).
+
+    python benchmarks/kernels_summary.py OUT     (COMMAND in the environment: the command that made OUT)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    for name in ("torch", "triton", "transformers"):
+        try:
+            found[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - absent (triton on a CPU build) or broken: say so, do not fail
+            found[name] = None
+    return found
+
+
+def test_outcome(path: Path) -> dict:
+    """Counts, seconds and the failing tests' names and first lines from pytest's JUnit XML."""
+    if not path.is_file():
+        return {"error": f"{path.name} not written (the tests timed out or did not start)"}
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    cases = suite.findall("testcase")
+    failed = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    skipped = [c for c in cases if c.find("skipped") is not None]
+    return {"passed": len(cases) - len(failed) - len(skipped), "failed": len(failed), "skipped": len(skipped),
+            "seconds": float(suite.get("time", 0)),
+            "failures": {f"{c.get('classname')}::{c.get('name')}":
+                         ((c.find("failure") if c.find("failure") is not None else c.find("error")).get("message")
+                          or "")[:500] for c in failed},
+            "tests": [f"{c.get('classname')}::{c.get('name')}" for c in cases]}
+
+
+FIGURES = ("ttt_attention", "query_block", "loss_chunk_rows", "tokens_per_s", "peak_memory_gib", "mfu_vs_790",
+           "mfu_vs_measured_matmul", "ratio_to_forward_only", "target_forward_only_tokens_per_s", "step_seconds",
+           "error", "message")
+
+
+def side_by_side(runs: list[dict]) -> list[dict]:
+    """flex / reference tokens/s and peak memory for each (seq, batch) measured both ways."""
+    by_shape: dict[tuple, dict] = {}
+    for r in runs:
+        if "error" not in r and r.get("ttt_attention") in ("flex", "reference"):
+            by_shape.setdefault((r["seq"], r["batch"]), {})[r["ttt_attention"]] = r
+    return [{"seq": seq, "batch": batch,
+             "tokens_per_s_flex_over_reference": pair["flex"]["tokens_per_s"] / pair["reference"]["tokens_per_s"],
+             "peak_gib_flex_over_reference": pair["flex"]["peak_memory_gib"] / pair["reference"]["peak_memory_gib"]
+             if pair["reference"]["peak_memory_gib"] else None}
+            for (seq, batch), pair in by_shape.items() if len(pair) == 2]
+
+
+def main(out: Path) -> int:
+    gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").is_file() else None
+    train_path = out / "train_8b_shape.json"
+    train = json.loads(train_path.read_text()) if train_path.is_file() else {}
+    runs = [{"run": r["run"], "seq": r["seq"], "batch": r["batch"], **{k: r[k] for k in FIGURES if k in r}}
+            for r in train.get("runs", [])]
+    summary = {"command": os.environ.get("COMMAND", "bash benchmarks/gpu_kernels.sh"), "hardware": gpu,
+               "versions": versions(), "gpu_tests": test_outcome(out / "gpu_tests.xml"),
+               "train_8b_shape": {"command": train.get("command"), "measured_matmul_tflops":
+                                  train.get("measured_matmul_tflops"), "runs": runs},
+               "flex_vs_reference": side_by_side(runs)}
+    (out / "gpu_kernels.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tests = summary["gpu_tests"]
+    print(f"gpu tests: {tests.get('passed')} passed, {tests.get('failed')} failed, {tests.get('skipped')} skipped"
+          if "error" not in tests else f"gpu tests: {tests['error']}")
+    for name, message in tests.get("failures", {}).items():
+        print(f"  FAILED {name}: {message.splitlines()[0] if message else ''}")
+    print(f"{'run':28} {'attention':>10} {'block':>6} {'tok/s':>9} {'peak GiB':>9} {'MFU790':>7}")
+    for r in runs:
+        if "error" in r:
+            print(f"{r['run']:28} {str(r.get('ttt_attention')):>10} {r['error']}: {r.get('message', '')[:80]}")
+        else:
+            print(f"{r['run']:28} {r.get('ttt_attention', '-'):>10} {str(r.get('query_block')):>6} "
+                  f"{r['tokens_per_s']:9.0f} {r['peak_memory_gib']:9.1f} {r.get('mfu_vs_790', float('nan')):7.1%}")
+    for pair in summary["flex_vs_reference"]:
+        memory = pair["peak_gib_flex_over_reference"] or 0.0
+        print(f"flex / reference at {pair['batch']} x {pair['seq']}: tokens/s "
+              f"{pair['tokens_per_s_flex_over_reference']:.2f}x, peak memory {memory:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
