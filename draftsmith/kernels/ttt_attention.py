@@ -201,4 +201,4 @@ def ttt_attention_flex(q, keys0, values0, diag_keys, diag_values, scale: float, 
     out = weights[..., :1] * out0.view(b, kv, h // kv, s, hd)  # (B, kv, g, S, hd)
     for j, dv in enumerate(diag_values, start=1):
         out = out + weights[..., j: j + 1] * dv[:, :, None]
-    return out.view(b, h, s, hd)
+    return out.reshape(b, h, s, hd)  # a view where the layout allows it
