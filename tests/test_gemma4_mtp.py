@@ -39,19 +39,22 @@ def target_config(vocab: int = 128, **overrides) -> Gemma4TextConfig:
     return Gemma4TextConfig(**{**args, **overrides})
 
 
-def assistant_config(vocab: int = 128, centroids: int = 8, top_k: int = 4) -> Gemma4AssistantConfig:
+def assistant_config(vocab: int = 128, centroids: int | None = 8, top_k: int = 4, head_dim: int = 16,
+                     global_head_dim: int = 32, max_positions: int = 256) -> Gemma4AssistantConfig:
+    """Two q-only layers (sliding, full) shaped to read the target's K/V; `centroids` None: no centroid head."""
     text = Gemma4TextConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-                            attention_k_eq_v=True, intermediate_size=64, sliding_window=WINDOW,
-                            layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
-                            vocab_size_per_layer_input=0, max_position_embeddings=256)
-    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=True,
-                                 num_centroids=centroids, centroid_intermediate_top_k=top_k)
+                            num_key_value_heads=2, head_dim=head_dim, global_head_dim=global_head_dim,
+                            num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=64,
+                            sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                            max_position_embeddings=max_positions)
+    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=bool(centroids),
+                                 num_centroids=centroids or 2048, centroid_intermediate_top_k=top_k)
 
 
-def random_target(vocab: int = 128, seed: int = 0):
+def random_target(vocab: int = 128, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(target_config(vocab), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(target_config(vocab, **overrides), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name and p.dim() > 1:
@@ -66,7 +69,8 @@ def random_assistant(vocab: int = 128, seed: int = 1, **kwargs) -> Gemma4Assista
         for name, p in model.named_parameters():
             if "norm" not in name and p.dim() > 1:
                 p.normal_(0, 0.1)
-        model.masked_embedding.token_ordering.copy_(torch.randperm(vocab))
+        if model.masked_embedding is not None:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(vocab))
     return model
 
 
