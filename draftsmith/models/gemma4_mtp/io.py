@@ -46,11 +46,20 @@ def is_gemma4_assistant(config: Any) -> bool:
 
 
 def _folder(path: str | Path) -> Path:
+    """A local folder, or a Hub id's snapshot (from the local cache, else downloaded: its JSON and safetensors)."""
     from draftsmith.models.mtp.native import local_folder
 
     folder = local_folder(path)
+    if folder is None and str(path).count("/") == 1 and not Path(path).exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+        except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one line saying which
+            raise Gemma4MtpLoadError(f"{path}: not a folder, and the Hub download failed "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if folder is None:
-        raise Gemma4MtpLoadError(f"{path}: no such folder (and not a Hub id in the local cache)")
+        raise Gemma4MtpLoadError(f"{path}: no such folder (nor a Hub id ORG/NAME)")
     return folder
 
 
@@ -80,6 +89,9 @@ def read_folder(path: str | Path) -> tuple[Gemma4MtpConfig, dict[str, torch.Tens
         raise Gemma4MtpLoadError(f"{folder / CONFIG_FILE}: {e}") from None
     if config.hf_config().tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # transformers' tied head: the embedding itself
+    order = tensors.get("masked_embedding.token_ordering")
+    if order is not None and not order.is_floating_point():
+        tensors["masked_embedding.token_ordering"] = order.long()  # an index table, whatever integer type it came in
     return config, tensors
 
 

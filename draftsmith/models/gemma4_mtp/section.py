@@ -29,6 +29,9 @@ def check_recipe(recipe: Any, target: Mapping[str, Any] | None) -> None:
     if recipe.model.aux_layer_ids is not None:
         raise ValueError(f"model.aux_layer_ids {recipe.model.aux_layer_ids}: gemma4_mtp reads the K/V of the "
                          "target's last sliding and full layers, chosen by its config; set model.aux_layer_ids to null")
+    if recipe.data.hidden_states_path or recipe.data.hidden_states_cache:
+        raise ValueError("data.hidden_states_path / data.hidden_states_cache: gemma4_mtp trains on the target's K/V, "
+                         "which a hidden-state store does not hold; leave both unset to capture them online")
     if not recipe.gemma4_mtp.assistant and not recipe.model.init_from:
         raise ValueError("gemma4_mtp.assistant is not set: name the Gemma 4 assistant checkpoint to fine-tune "
                          "(e.g. google/gemma-4-E2B-it-assistant), or model.init_from a draftsmith gemma4_mtp checkpoint")

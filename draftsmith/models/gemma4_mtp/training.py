@@ -58,13 +58,18 @@ class Gemma4MtpMethod:
     def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
         """Rough: the target's forward (2 x its parameters) and 6 x the assistant's parameters per step."""
         target = 2.0 * sum(p.numel() for p in self.target.model.parameters())
-        drafter = 6.0 * self.num_steps * sum(p.numel() for p in Gemma4MtpDrafter(self.config).parameters())
+        with torch.device("meta"):  # shapes only
+            size = sum(p.numel() for p in Gemma4MtpDrafter(self.config).parameters())
+        drafter = 6.0 * self.num_steps * size
         return {"target_forward": target, "drafter": drafter, "total": target + drafter}
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Gemma4MtpDrafter:
         """The assistant's weights in fp32 on the target's device (d2t / t2d unused: it reads out over the full
         vocabulary with its own head)."""
-        return drafter_from(self.config, self.initial, self.config.source).float().to(self.target.device)
+        drafter = drafter_from(self.config, self.initial, self.config.source).float().to(self.target.device)
+        if drafter.masked_embedding is not None and not self.centroid_weight:  # no loss reaches it: keep it as is
+            drafter.masked_embedding.centroids.requires_grad_(False)  # (and DDP sees no parameter without a gradient)
+        return drafter
 
     def target_states(self, input_ids, attention_mask):
         """(final-normed last hidden (B, S, Hb), K/V per layer type) of the frozen target."""
