@@ -98,7 +98,7 @@ def test_type_error_is_one_line(tmp_path):
     "patch, expected",
     [
         ({"model": {"target": "t", "method": "medusa"}},
-         "model.method: expected 'eagle3', 'eagle', 'mtp', 'dflash' or 'dspark', got 'medusa'"),
+         "model.method: expected 'eagle3', 'eagle', 'mtp', 'gemma4_mtp', 'dflash' or 'dspark', got 'medusa'"),
         ({"training": {"epochs": 2.5}}, "training.epochs: expected an integer, got 2.5"),
         ({"training": {"batch_size": 0}}, "training.batch_size: must be >= 1, got 0"),
         ({"training": {"ttt_decay": 1.5}}, "training.ttt_decay: must be <= 1.0, got 1.5"),
