@@ -360,3 +360,14 @@ def test_fine_tune_raises_acceptance_export_serves_it(tmp_path, fixture_target_d
                                 round(after_rate, 3)}}))
     assert before_out == plain and after_out == plain
     assert after_tau > before_tau
+
+
+def test_an_assistant_for_another_target_is_one_line(tmp_path, tiny_llama):
+    folder = published(tmp_path / "assistant")
+    spec = parse_spec_config({"method": "mtp", "model": str(folder), "num_speculative_tokens": 2})
+    llama, _ = tiny_llama(vocab_size=128)
+    with pytest.raises(ValueError, match="drafts for Gemma 4 targets, not a 'llama' target"):
+        build_proposer(spec, TargetModel(llama))
+    wider = TargetModel(random_target(vocab=256))
+    with pytest.raises(ValueError, match="assistant for a target of vocab 128"):
+        build_proposer(spec, wider)
