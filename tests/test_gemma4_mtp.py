@@ -259,7 +259,8 @@ def test_recipe_rules():
     with pytest.raises(RecipeError, match="aux_layer_ids"):
         recipe_from_dict({**base, "model": {**base["model"], "aux_layer_ids": [1]}, "gemma4_mtp": {"assistant": "a"}})
     with pytest.raises(RecipeError, match="hidden-state store does not hold"):
-        recipe_from_dict({**base, "data": {"path": "d", "hidden_states_path": "store"}, "gemma4_mtp": {"assistant": "a"}})
+        recipe_from_dict({**base, "data": {"path": "d", "hidden_states_path": "store"},
+                          "gemma4_mtp": {"assistant": "a"}})
     recipe_from_dict({**base, "gemma4_mtp": {"assistant": "a", "num_steps": 2}})
 
 

@@ -14,7 +14,8 @@ selection, which a CPU cannot ("Tried to instantiate dummy base class CUDAGraph"
   centroid head (`Gemma4MTPMaskedEmbedder.get_top_tokens`) on the export's tensors against draftsmith's served
   argmax.
 
-Run: DRAFTSMITH_INTEROP=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/interop/test_vllm_gemma4_mtp.py -s
+Run: DRAFTSMITH_INTEROP=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
+         tests/interop/test_vllm_gemma4_mtp.py -s
 """
 
 from __future__ import annotations

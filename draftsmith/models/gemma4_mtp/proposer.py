@@ -65,7 +65,8 @@ class Gemma4MtpProposer:
         cfg = drafter.config
         if (cfg.vocab_size, cfg.backbone_hidden_size) != (target.vocab_size, target.hidden_size):
             raise ValueError(f"{spec.model}: Gemma 4 assistant for a target of vocab {cfg.vocab_size} and hidden size "
-                             f"{cfg.backbone_hidden_size}; this target has {target.vocab_size} and {target.hidden_size}")
+                             f"{cfg.backbone_hidden_size}; this target has {target.vocab_size} and "
+                             f"{target.hidden_size}")
         return cls(drafter, target, spec.num_speculative_tokens)
 
     def begin(self, prompt_ids: torch.Tensor, sampler=None) -> None:

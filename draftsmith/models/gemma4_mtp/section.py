@@ -34,7 +34,8 @@ def check_recipe(recipe: Any, target: Mapping[str, Any] | None) -> None:
                          "which a hidden-state store does not hold; leave both unset to capture them online")
     if not recipe.gemma4_mtp.assistant and not recipe.model.init_from:
         raise ValueError("gemma4_mtp.assistant is not set: name the Gemma 4 assistant checkpoint to fine-tune "
-                         "(e.g. google/gemma-4-E2B-it-assistant), or model.init_from a draftsmith gemma4_mtp checkpoint")
+                         "(e.g. google/gemma-4-E2B-it-assistant), or set model.init_from to a draftsmith gemma4_mtp "
+                         "checkpoint")
     if target is not None and target.get("model_type") not in TARGET_MODEL_TYPES:
         raise ValueError(f"model.target is a {target.get('model_type')!r} model: gemma4_mtp drafts for Gemma 4 "
                          f"targets ({', '.join(TARGET_MODEL_TYPES)}) only")
