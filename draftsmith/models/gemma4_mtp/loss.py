@@ -18,9 +18,23 @@ Vocabulary logits exist for `chunk` rows at a time and are recomputed in the bac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class StepLoss:
+    """What one training step's loss reads besides the drafter's output; the drafter's forward takes it, so its own
+    (tied, trainable) head is read inside the forward, where FSDP has gathered it."""
+
+    rows: tuple[torch.Tensor, ...]  # (B, S) -> (N,) indices of the trained positions (valid.nonzero)
+    teacher: torch.Tensor  # (N, Hb) the target's final-normed state at each row's teacher position
+    teacher_head: torch.Tensor  # (V, Hb) the target's head, frozen
+    cap: float | None  # the target's final_logit_softcapping
+    chunk: int  # rows whose vocabulary logits exist at a time
 
 
 def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -25,12 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.models.gemma4_mtp.config import Gemma4MtpConfig
+from draftsmith.models.gemma4_mtp.loss import StepLoss, step_losses
 from draftsmith.models.targets.base import rotate_half
 
 KV = dict[str, tuple[Tensor, Tensor]]  # layer type -> (keys, values), each (B, kv, S, hd), RoPE and norms applied
 
 
 class Gemma4MtpDrafter(nn.Module):
+    _no_split_modules = ["Gemma4TextDecoderLayer"]  # FSDP's transformer-based wrap: one unit per assistant layer
+
     def __init__(self, config: Gemma4MtpConfig):
         from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
@@ -57,10 +60,12 @@ class Gemma4MtpDrafter(nn.Module):
         return list(self.text_config.layer_types)
 
     def forward(self, token_embeds: Tensor, hidden: Tensor, position_ids: Tensor, kv: KV,
-                masks: dict[str, Tensor | None]) -> tuple[Tensor, Tensor]:
+                masks: dict[str, Tensor | None], loss: StepLoss | None = None):
         """token_embeds (B, T, Hb) the target's scaled embedding of each query's input token, hidden (B, T, Hb),
         position_ids (B, T) each query's position, kv the target's K/V per layer type, masks per layer type
-        (B or 1, 1, T, S) bool, True = may attend (None: all). Returns (d (B, T, H) normed, h_next (B, T, Hb))."""
+        (B or 1, 1, T, S) bool, True = may attend (None: all). Returns (d (B, T, H) normed, h_next (B, T, Hb));
+        with `loss` (training), (h_next, loss.py's (soft CE (N,), centroid CE (N,), served agreement (N,)) of the
+        loss rows)."""
         x = self.pre_projection(torch.cat([token_embeds, hidden], dim=-1).to(self.pre_projection.weight.dtype))
         batch, num, _ = x.shape
         rotary = {kind: self.model.rotary_emb(x, position_ids, kind) for kind in set(self.layer_types)}
@@ -84,6 +89,9 @@ class Gemma4MtpDrafter(nn.Module):
             x = residual + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
             x = x * layer.layer_scalar
         d = self.model.norm(x)
+        if loss is not None:
+            return self.post_projection(d), step_losses(self, d[loss.rows], loss.teacher, loss.teacher_head,
+                                                        loss.cap, loss.chunk)
         return d, self.post_projection(d)
 
     def dense_logits(self, d: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from draftsmith.kernels.chunked_loss import loss_chunk_rows
 from draftsmith.models.eagle3.loss import simulated_acceptance_length
 from draftsmith.models.gemma4_mtp.config import TARGET_MODEL_TYPES, Gemma4MtpConfig, source_layers
 from draftsmith.models.gemma4_mtp.io import drafter_from, read_folder
-from draftsmith.models.gemma4_mtp.loss import shift_left, step_losses
+from draftsmith.models.gemma4_mtp.loss import StepLoss, shift_left
 from draftsmith.models.gemma4_mtp.model import Gemma4MtpDrafter, causal_masks, target_kv
 from draftsmith.models.target import TargetModel
 
@@ -90,7 +90,7 @@ class Gemma4MtpMethod:
         loss.py draws the alignment."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         last_hidden, kv = self.target_states(input_ids, batch["attention_mask"])
-        inner = getattr(drafter, "module", drafter)  # under DDP
+        inner = getattr(drafter, "module", drafter)  # under DDP / FSDP: its config only
         with torch.no_grad():
             embeds = self.target.embed_tokens(input_ids)  # (B, S, Hb) scaled by sqrt(Hb), as the runtime feeds it
         num = input_ids.shape[1]
@@ -106,10 +106,11 @@ class Gemma4MtpMethod:
         metrics: dict[str, torch.Tensor] = {}
         corrects, valids = [], []
         for j in range(1, self.num_steps + 1):
-            d, hidden = drafter(shift_left(embeds, j), hidden, positions, kv, masks)  # reads t_{i+j}
             valid = shift_left(loss_mask, j + 1)  # (B, S) t_{i+j+1} is trained
             rows = valid.nonzero(as_tuple=True)
-            ce, centroid, agree = step_losses(inner, d[rows], shift_left(last_hidden, j)[rows], head, cap, chunk)
+            step_loss = StepLoss(rows, shift_left(last_hidden, j)[rows], head, cap, chunk)  # teacher z_{i+j}
+            hidden, (ce, centroid, agree) = drafter(shift_left(embeds, j), hidden, positions, kv, masks,
+                                                   loss=step_loss)  # reads t_{i+j}
             count = valid.sum()
             step = (ce.sum() + self.centroid_weight * centroid.sum()) / count.clamp(min=1)
             total = total + self.decay ** (j - 1) * step
