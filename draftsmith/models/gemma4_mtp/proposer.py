@@ -76,6 +76,7 @@ class Gemma4MtpProposer:
         self.last_hidden = torch.zeros(batch, hidden, dtype=self.dtype, device=self.device)  # (B, Hb) h_{c-1}
         self.position = torch.full((batch,), -1, dtype=torch.long, device=self.device)  # (B,) c-1
         self.fresh = torch.zeros(batch, dtype=torch.bool, device=self.device)  # extended since its last proposal
+        self._cache = self._valid = None  # the runtime hands this request's over before each proposal
 
     def see_target_cache(self, cache, valid) -> None:
         self._cache, self._valid = cache, valid
