@@ -10,7 +10,9 @@
 #   STAGE=eval    `draftsmith eval` of the trained drafters next to n-gram and DSpark with its confidence cut
 #                 (CONFIDENCE, 0.5) at k = KS (1..7), temperature 0 over PROMPTS_T0 (all 80) MT-bench first
 #                 turns, then temperature 1 at KS_T1 over PROMPTS_T1 prompts; float32, EVAL_BATCH requests at a
-#                 time (tokens/s and speedups are at that concurrency)
+#                 time (tokens/s and speedups are at that concurrency); NGRAM=0 leaves n-gram out, T1=0 the
+#                 temperature-1 pass
+# METHODS may name any methods with a recipes/<m>_fixture.yaml (METHODS="eagle eagle3": EAGLE-1 against EAGLE-3).
 #
 # Inputs, in the git-ignored .gpu/ folder (name .gpu in the call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -1 > .gpu/fixture.tar.xz (benchmarks/prepare_fixture_data.py
@@ -39,7 +41,7 @@ left() { echo $(( BUDGET - SECONDS )); }
 
 configs() {  # the --speculative-config flags of the drafters trained, n-gram, and DSpark with its confidence cut
   for m in $METHODS; do printf -- '--speculative-config\n{"method":"%s","model":"%s/%s"}\n' "$m" "$RUNS" "$m"; done
-  printf -- '--speculative-config\n{"method":"ngram","prompt_lookup_max":4,"prompt_lookup_min":1}\n'
+  [ "${NGRAM:-1}" = 0 ] || printf -- '--speculative-config\n{"method":"ngram","prompt_lookup_max":4,"prompt_lookup_min":1}\n'
   case " $METHODS " in *" dspark "*)
     printf -- '--speculative-config\n{"method":"dspark","model":"%s/dspark","confidence_threshold":%s}\n' \
       "$RUNS" "${CONFIDENCE:-0.5}" ;;
@@ -91,7 +93,7 @@ case "$STAGE" in
   eval)
     [ -d "$RUNS" ] || { echo "no trained drafters in $RUNS: the machine was given back since STAGE=train" >&2; exit 3; }
     evaluate eval_t0 --num-speculative-tokens ${KS:-1 2 3 4 5 6 7} ${PROMPTS_T0:+--num-prompts $PROMPTS_T0}
-    evaluate eval_t1 --num-speculative-tokens ${KS_T1:-1 3 5 7} --num-prompts "${PROMPTS_T1:-40}" \
+    [ "${T1:-1}" = 0 ] || evaluate eval_t1 --num-speculative-tokens ${KS_T1:-1 3 5 7} --num-prompts "${PROMPTS_T1:-40}" \
       --temperature 1 --seed 0
     ;;
   *) echo "STAGE must be train or eval, not '$STAGE'" >&2; exit 2 ;;

@@ -95,6 +95,26 @@ def test_flex_attention_equals_the_reference_on_the_cpu(steps, packed, heads, kv
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_kernel_takes_autocasts_mixed_dtypes_in_the_reference_dtype(monkeypatch):
+    """Under autocast q and k leave RoPE in float32 and v its Linear in bfloat16; FlexAttention's backward refuses
+    mixed dtypes (seen on the GPU), so all three enter the kernel in the autocast dtype, as the reference's
+    matmuls run."""
+    seen = []
+
+    def kernel(q, k, v, block_mask, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return dense_flex_with_lse(q, k, v, block_mask, scale)
+
+    monkeypatch.setattr(attention, "_flex_with_lse", kernel)
+    q, k, v, _, _ = inputs(steps=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention.flex_with_lse(q, k, v.bfloat16(), None, 0.25)
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    out32, _ = attention.flex_with_lse(q, k, v, None, 0.25)  # no autocast: q's dtype, as given
+    assert seen[-1] == (torch.float32,) * 3
+    torch.testing.assert_close(out.float(), out32, atol=3e-2, rtol=3e-2)
+
+
 def test_the_blocked_reference_takes_grouped_keys():
     """Keys and values of kv < h heads give what the same keys repeated to h heads give, blocked or not."""
     q, k0, v0, dks, dvs = inputs(h=6, kv=2, s=40, steps=2)

@@ -182,8 +182,12 @@ def flex_with_lse(q, k, v, block_mask, scale: float):
     """`_flex_with_lse` compiled (Triton kernels, forward and backward) on an accelerator; on the CPU, eager
     FlexAttention, which has no backward pass there: only the tests call it, to check its values."""
     fn = _flex_with_lse if q.device.type == "cpu" else _compiled_flex()
-    with torch.autocast(q.device.type, enabled=False):  # q, k, v share one dtype already (autocast's, if on)
-        return fn(q, k, v, block_mask, scale)
+    device_type = q.device.type
+    # Under autocast, q and k leave RoPE in float32 (cos/sin are float32) while v leaves its Linear in the autocast
+    # dtype; the kernel's backward takes one dtype, so all three run in the dtype the reference's matmuls run in.
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
+    with torch.autocast(device_type, enabled=False):
+        return fn(q.to(dtype), k.to(dtype), v.to(dtype), block_mask, scale)
 
 
 def ttt_attention_flex(q, keys0, values0, diag_keys, diag_values, scale: float, block_mask):
