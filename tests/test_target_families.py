@@ -5,7 +5,8 @@ Every family is a tiny random config built here: Qwen3-MoE (4 experts, top-2, no
 sliding window), GPT-OSS (sinks, a sliding window on alternate layers, a biased router, YaRN), Gemma 4 (sliding and
 full layers of different head dims and K/V heads, K = V on full layers, KV shared by the last two layers, per-layer
 inputs, an MoE block, a double-wide MLP, logit softcapping; as Gemma4ForCausalLM and inside the multimodal
-Gemma4ForConditionalGeneration), and Phi-3 (no adapter: transformers' own forward). Windows are 8 tokens and
+Gemma4ForConditionalGeneration), and Phi-3 and DeepSeek-V3 (latent attention, routed and shared experts), which
+have no adapter: transformers' own forward. Windows are 8 tokens and
 outputs run well past them.
 """
 
@@ -25,6 +26,7 @@ from test_tree import OracleTreeProposer
 
 WINDOW = 8
 ADAPTED = ("qwen3_moe", "gpt_oss", "gemma4_text")
+GENERIC = ("phi3", "deepseek_v3")  # no adapter: transformers' own forward (DeepSeek-V3: MLA, routed + shared experts)
 STD = {"gemma4_text": 0.08, "gemma4": 0.08, "phi3": 0.1}  # weights redrawn where the default init decodes flat
 
 
@@ -77,7 +79,7 @@ def family_model(family: str, seed: int = 0, std: float | None = None, **config)
     return model
 
 
-@pytest.fixture(scope="module", params=[*ADAPTED, "gemma4", "phi3"])
+@pytest.fixture(scope="module", params=[*ADAPTED, "gemma4", *GENERIC])
 def family(request):
     """(family name, model, its TargetModel, two prompts)."""
     model = family_model(request.param)
@@ -123,7 +125,7 @@ def test_default_aux_layer_ids_follow_vllm_for_every_family():
 
 def test_each_family_gets_its_adapter_and_the_rest_the_generic_path(family):
     name, _, target, _ = family
-    assert (target.family is None) == (name == "phi3")
+    assert (target.family is None) == (name in GENERIC)
     assert context_length_of(target.config) == 256  # windows are applied exactly: they bound no context
 
 
@@ -263,7 +265,7 @@ def trained_eagle3(target, sequences, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*ADAPTED, "phi3"])
+@pytest.mark.parametrize("name", [*ADAPTED, *GENERIC])
 def test_eagle3_drafter_trained_on_the_target_is_lossless(name):
     from draftsmith.models.eagle3.proposer import Eagle3Proposer
 
