@@ -2,8 +2,9 @@
 # Issue 28's kernels on one lent GPU, in one call of at most BUDGET seconds (default 420):
 #
 #   1. the GPU tests of the kernels against their plain-torch references (values and gradients, float32 and
-#      bfloat16): tests/test_ttt_flex.py's compiled FlexAttention TTT attention and training step, and
-#      tests/test_gpu.py's blocked-reference training step; at most TEST_SECONDS (170);
+#      bfloat16), TESTS (default: tests/test_ttt_flex.py's compiled FlexAttention TTT attention and training step,
+#      tests/test_dflash_flex.py's DFlash/DSpark block attention and training steps, and tests/test_gpu.py's
+#      blocked-reference training step); at most TEST_SECONDS (170);
 #   2. benchmarks/train_8b_shape.py on the Llama-3.1-8B shape (random bf16 weights, TTT 7, draft vocabulary 32,000)
 #      with the trainer's own choices of query block and loss chunk, RUNS (default: EAGLE-3 at 16 x 2048 and
 #      4 x 8192, each with FlexAttention and with the plain-torch reference, side by side in one process), STEPS
@@ -17,11 +18,15 @@
 #
 #   OUT=$OUT bash benchmarks/gpu_kernels.sh
 #   LOCAL=1 TINY=1 RUNS="eagle3+reference:256x2 eagle3:256x2" bash benchmarks/gpu_kernels.sh   # a CPU smoke run
+#   OUT=$OUT TESTS=tests/test_dflash_flex.py RUNS="dflash+reference:2048x16 dflash+flex:2048x16" \
+#     bash benchmarks/gpu_kernels.sh   # DFlash's block attention: FlexAttention against the dense-mask reference
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
 BUDGET="${BUDGET:-420}"  # seconds for the whole script
 RUNS="${RUNS:-eagle3+reference:2048x16 eagle3+flex:2048x16 eagle3+flex:8192x4 eagle3+reference:8192x4}"
+TESTS="${TESTS:-tests/test_ttt_flex.py tests/test_dflash_flex.py \
+tests/test_gpu.py::test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu}"
 mkdir -p "$OUT"
 source benchmarks/device_inputs.sh
 [ -n "${LOCAL:-}" ] || device_python_env  # LOCAL=1: this machine's environment as it is
@@ -34,8 +39,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}"
 
 start=$SECONDS
 timeout "${TEST_SECONDS:-170}" "$PYTHON" -m pytest -v -p no:cacheprovider -m gpu --durations=10 \
-  --junitxml="$OUT/gpu_tests.xml" tests/test_ttt_flex.py \
-  tests/test_gpu.py::test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu 2>&1 \
+  --junitxml="$OUT/gpu_tests.xml" $TESTS 2>&1 \
   | grep -v "Warning\|warn(" | tail -60 | tee "$OUT/gpu_tests.log"  # -v: each result as it comes, kept if cut short
 echo "gpu tests: $(( SECONDS - start )) s" | tee -a "$OUT/gpu_tests.log"
 
@@ -45,6 +49,6 @@ timeout "$(( $(left) - 15 ))" "$PYTHON" benchmarks/train_8b_shape.py --out "$OUT
   | tee "$OUT/train_8b_shape.log" | tail -30
 echo "train_8b_shape: $(( SECONDS - start )) s" | tee -a "$OUT/train_8b_shape.log"
 
-COMMAND="BUDGET=$BUDGET RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }bash benchmarks/gpu_kernels.sh" \
+COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }bash benchmarks/gpu_kernels.sh" \
   "$PYTHON" benchmarks/kernels_summary.py "$OUT"
 ls -la "$OUT"

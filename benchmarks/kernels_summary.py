@@ -42,22 +42,24 @@ def test_outcome(path: Path) -> dict:
             "tests": [f"{c.get('classname')}::{c.get('name')}" for c in cases]}
 
 
-FIGURES = ("ttt_attention", "query_block", "loss_chunk_rows", "tokens_per_s", "peak_memory_gib", "mfu_vs_790",
-           "mfu_vs_measured_matmul", "ratio_to_forward_only", "target_forward_only_tokens_per_s", "step_seconds",
-           "error", "message")
+FIGURES = ("method", "ttt_attention", "block_attention", "query_block", "loss_chunk_rows", "tokens_per_s",
+           "peak_memory_gib", "mfu_vs_790", "mfu_vs_measured_matmul", "ratio_to_forward_only",
+           "target_forward_only_tokens_per_s", "step_seconds", "error", "message")
 
 
 def side_by_side(runs: list[dict]) -> list[dict]:
-    """flex / reference tokens/s and peak memory for each (seq, batch) measured both ways."""
+    """flex / reference tokens/s and peak memory for each method, seq and batch measured both ways (EAGLE-3's TTT
+    attention, DFlash's block attention)."""
     by_shape: dict[tuple, dict] = {}
     for r in runs:
-        if "error" not in r and r.get("ttt_attention") in ("flex", "reference"):
-            by_shape.setdefault((r["seq"], r["batch"]), {})[r["ttt_attention"]] = r
-    return [{"seq": seq, "batch": batch,
+        kernel = r.get("ttt_attention") or r.get("block_attention")
+        if "error" not in r and kernel in ("flex", "reference"):
+            by_shape.setdefault((r.get("method"), r["seq"], r["batch"]), {})[kernel] = r
+    return [{"method": method, "seq": seq, "batch": batch,
              "tokens_per_s_flex_over_reference": pair["flex"]["tokens_per_s"] / pair["reference"]["tokens_per_s"],
              "peak_gib_flex_over_reference": pair["flex"]["peak_memory_gib"] / pair["reference"]["peak_memory_gib"]
              if pair["reference"]["peak_memory_gib"] else None}
-            for (seq, batch), pair in by_shape.items() if len(pair) == 2]
+            for (method, seq, batch), pair in by_shape.items() if len(pair) == 2]
 
 
 def main(out: Path) -> int:
@@ -79,14 +81,15 @@ def main(out: Path) -> int:
         print(f"  FAILED {name}: {message.splitlines()[0] if message else ''}")
     print(f"{'run':28} {'attention':>10} {'block':>6} {'tok/s':>9} {'peak GiB':>9} {'MFU790':>7}")
     for r in runs:
+        kernel = r.get("ttt_attention") or r.get("block_attention") or "-"
         if "error" in r:
-            print(f"{r['run']:28} {str(r.get('ttt_attention')):>10} {r['error']}: {r.get('message', '')[:80]}")
+            print(f"{r['run']:28} {kernel:>10} {r['error']}: {r.get('message', '')[:80]}")
         else:
-            print(f"{r['run']:28} {r.get('ttt_attention', '-'):>10} {str(r.get('query_block')):>6} "
+            print(f"{r['run']:28} {kernel:>10} {str(r.get('query_block')):>6} "
                   f"{r['tokens_per_s']:9.0f} {r['peak_memory_gib']:9.1f} {r.get('mfu_vs_790', float('nan')):7.1%}")
     for pair in summary["flex_vs_reference"]:
         memory = pair["peak_gib_flex_over_reference"] or 0.0
-        print(f"flex / reference at {pair['batch']} x {pair['seq']}: tokens/s "
+        print(f"{pair['method']} flex / reference at {pair['batch']} x {pair['seq']}: tokens/s "
               f"{pair['tokens_per_s_flex_over_reference']:.2f}x, peak memory {memory:.2f}x")
     return 0
 

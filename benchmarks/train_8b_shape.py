@@ -14,11 +14,12 @@ block and loss chunk chosen as the trainer chooses them (recorded in each run's 
 reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` training.compile_drafter (compilations, the
 FlexAttention kernel's too, fall in the untimed warm-up steps). `eagle3/reference` is the path training took before
 blocked attention (S x S scores and whole-step logits kept for the backward pass). `dflash` runs DflashMethod.loss,
-`dflash+ckpt` with dflash.checkpoint_layers; `mtp` MtpMethod.loss (one new module, mtp.num_depths from the
-recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first --warmup untimed; a run that
-runs out of memory or fails is recorded as such and the next one starts. MFU is counted with train/flops.py against
-the bf16 matrix rate measured in the same process (a large matmul) and against 790 TFLOP/s (the H200 figure the
-issue measured).
+`dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with training.block_attention
+(default: the reference; each run records its kernel in `block_attention`); `mtp` MtpMethod.loss (one new module,
+mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
+--warmup untimed; a run that runs out of memory or fails is recorded as such and the next one starts. MFU is
+counted with train/flops.py against the bf16 matrix rate measured in the same process (a large matmul) and against
+790 TFLOP/s (the H200 figure the issue measured).
 Random weights and tokens make the losses meaningless but not the timing or the memory.
 """
 
@@ -71,11 +72,20 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     method, *flags = head.split("+")
     if (method not in ("eagle3", "dflash", "mtp") or variant not in ("", "reference")
             or (variant and method != "eagle3") or any(f not in FLAGS for f in flags)
-            or (method == "dflash" and set(flags) - {"ckpt"}) or (method == "mtp" and flags)
+            or (method == "dflash" and set(flags) - {"ckpt", "flex", "reference"}) or (method == "mtp" and flags)
             or {"flex", "reference"} <= set(flags) or (variant and {"flex", "reference"} & set(flags))):
         raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][+flex|+reference][/reference]:SEQxBATCH "
-                         "(/reference: the dense path, its own attention), dflash[+ckpt]:SEQxBATCH or mtp:SEQxBATCH")
+                         "(/reference: the dense path, its own attention), "
+                         "dflash[+ckpt][+flex|+reference]:SEQxBATCH or mtp:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
+
+
+def training_keys(name: str, flags) -> dict:
+    """The training.KEY values a run's flags set: FLAGS for eagle3; for dflash +flex/+reference set
+    training.block_attention (its +ckpt is dflash.checkpoint_layers)."""
+    if name == "eagle3":
+        return dict(FLAGS[f] for f in flags)
+    return {"block_attention": f for f in flags if f in ("flex", "reference")} if name == "dflash" else {}
 
 
 def build_method(name: str, target: TargetModel, args, flags=()):
@@ -87,7 +97,7 @@ def build_method(name: str, target: TargetModel, args, flags=()):
         "data": {"path": "unused.jsonl", "max_length": 32768},
         "training": {"ttt_steps": args.ttt_steps, "ttt_query_block": args.query_block,
                      "loss_chunk_size": args.loss_chunk,
-                     **(dict(FLAGS[f] for f in flags) if name == "eagle3" else {})},
+                     **training_keys(name, flags)},
         "output_dir": "unused",
         **({"dflash": {"mask_token_id": target.vocab_size - 1,  # no tokenizer
                        "checkpoint_layers": "ckpt" in flags}} if name == "dflash" else {}),
@@ -118,6 +128,8 @@ def chosen_kernels(method, drafter, dense: bool, seq: int, batch: int, args) -> 
     from draftsmith.kernels.chunked_loss import loss_chunk_rows
     from draftsmith.kernels.ttt_attention import query_block_for
 
+    if method.name == "dflash":
+        return {"block_attention": drafter.attention}
     if method.name != "eagle3":
         return {}
     if dense:
@@ -146,8 +158,8 @@ def forward_only(target: TargetModel, batch, aux_layer_ids, device, repeat: int)
 def one_run(target, text, args, device, measured_peak) -> dict:
     name, reference, flags, seq, batch_size = parse_run(text)
     result = {"run": text, "method": name, "path": "reference" if reference else "trainer",
-              "training_keys": (dict(FLAGS[f] for f in flags) if name == "eagle3"
-                                else {"dflash.checkpoint_layers": True} if flags else {}),
+              "training_keys": {**training_keys(name, flags), **({"dflash.checkpoint_layers": True}
+                                                                  if name == "dflash" and "ckpt" in flags else {})},
               "seq": seq, "batch": batch_size}
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, target.vocab_size, (batch_size, seq), generator=g).to(device),
@@ -251,7 +263,7 @@ def main(argv=None) -> int:
     print(f"matmul {measured_peak or 0:.0f} TFLOP/s")
     print(f"{'run':28} {'attention':>10} {'tok/s':>9} {'peak GiB':>9} {'fwd tok/s':>10} {'ratio':>6} {'MFU790':>7}")
     for r in report["runs"]:
-        attention = r.get("ttt_attention", "-")
+        attention = r.get("ttt_attention", r.get("block_attention", "-"))
         if "error" in r:
             print(f"{r['run']:28} {attention:>10} {r['error']} (peak {r['peak_memory_gib']:.1f} GiB)")
         else:

@@ -41,26 +41,28 @@ from torch.utils.checkpoint import checkpoint
 
 DEFAULT_QUERY_BLOCK = 1024  # queries per block: scores of (B, h, 1024, <=S) at a time
 DENSE_SCORES_LIMIT = 1 << 28  # B*h*S*S scores of all TTT steps held whole (1 GiB in float32) before blocking pays
-BACKENDS = ("auto", "flex", "reference")  # training.ttt_attention
+BACKENDS = ("auto", "flex", "reference")  # training.ttt_attention and training.block_attention
 FLEX_MIN_HEAD_DIM = 16  # Triton's matrix products need inner dimensions of at least 16
 
 
 # ---- selection -----------------------------------------------------------------------------------------------
-def resolve_backend(requested: str, device: torch.device | str, head_dim: int) -> str:
-    """'flex' or 'reference' for training.ttt_attention `requested` on `device`: auto takes the compiled FlexAttention
-    kernel where device.compiled_flex_attention says it runs (CUDA and ROCm; DRAFTSMITH_FLEX_ATTENTION=0 turns it
-    off), the plain-torch reference elsewhere."""
+def resolve_backend(requested: str, device: torch.device | str, head_dim: int,
+                    key: str = "training.ttt_attention") -> str:
+    """'flex' or 'reference' for the recipe's `key` (training.ttt_attention, or DFlash's and DSpark's
+    training.block_attention: kernels/block_attention.py) set to `requested` on `device`: auto takes the compiled
+    FlexAttention kernel where device.compiled_flex_attention says it runs (CUDA and ROCm; DRAFTSMITH_FLEX_ATTENTION=0
+    turns it off), the plain-torch reference elsewhere."""
     from draftsmith import device as dev
 
     if requested not in BACKENDS:
-        raise ValueError(f"training.ttt_attention={requested!r}: use one of {', '.join(BACKENDS)}")
+        raise ValueError(f"{key}={requested!r}: use one of {', '.join(BACKENDS)}")
     if requested == "reference":
         return "reference"
     runs = dev.compiled_flex_attention(device) and head_dim >= FLEX_MIN_HEAD_DIM
     if requested == "flex" and not runs:
-        raise ValueError(f"training.ttt_attention=flex needs a CUDA or ROCm GPU with Triton, DRAFTSMITH_FLEX_ATTENTION "
+        raise ValueError(f"{key}=flex needs a CUDA or ROCm GPU with Triton, DRAFTSMITH_FLEX_ATTENTION "
                          f"unset and a head_dim of at least {FLEX_MIN_HEAD_DIM} (here {device}, head_dim {head_dim}): "
-                         "set training.ttt_attention=auto or reference")
+                         f"set {key}=auto or reference")
     return "flex" if runs else "reference"
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draftsmith.kernels.block_attention import block_attention_mask, training_attention  # noqa: F401 - re-exported
 from draftsmith.models.dflash.config import DflashDrafterConfig
 from draftsmith.models.target import KVCache, attend
 
@@ -37,21 +38,6 @@ def _rotate_half(x):
 
 def _apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
-
-
-def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
-    """Training mask (B, N*B_k, S + N*B_k), True = may attend, for keys laid out [context | block 0 | block 1 | ...].
-
-    A query of block j sees context positions < anchor_j and every slot of block j; no other block. A padding
-    block (anchor 0) sees only itself, which keeps its softmax finite; its slots carry no loss.
-    """
-    batch, n = anchor_positions.shape
-    device = anchor_positions.device
-    q_block = torch.arange(n * block_size, device=device) // block_size  # (Q,)
-    anchor_of_query = anchor_positions[:, q_block]  # (B, Q)
-    context = torch.arange(context_length, device=device)[None, None, :] < anchor_of_query[:, :, None]  # (B, Q, S)
-    same_block = (q_block[:, None] == q_block[None, :]).expand(batch, -1, -1)  # (B, Q, Q)
-    return torch.cat([context, same_block], dim=-1)
 
 
 class DflashAttention(nn.Module):
@@ -100,14 +86,15 @@ class DflashLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-def _training_layer(layer: DflashLayer, hidden, context, ctx_cos, ctx_sin, cos, sin, mask):
-    """One draft layer over every block of a sequence: context K/V from the fused features, then the masked
-    attention over [context | all blocks] (one fused kernel; it keeps no score tensor for the backward pass)."""
+def _training_layer(layer: DflashLayer, hidden, context, ctx_cos, ctx_sin, cos, sin, attend_blocks):
+    """One draft layer over every block of a sequence: context K/V from the fused features, then `attend_blocks`
+    (kernels/block_attention.training_attention: each block sees the context before its anchor and itself) over
+    [context | all blocks], one fused kernel that keeps no score tensor for the backward pass."""
     ctx_k, ctx_v = layer.self_attn.key_value(context, ctx_cos, ctx_sin)  # (B, kv, S, hd)
     scale = layer.self_attn.head_dim ** -0.5
 
     def attend_all(q, k, v):
-        return attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, scale)
+        return attend_blocks(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), scale)
 
     return layer(hidden, cos, sin, attend_all)
 
@@ -117,6 +104,9 @@ class DflashDrafter(nn.Module):
     # the layers' activations over N*B_k block tokens per sequence (512 anchors x 16 slots = 4x a 2,048-token
     # sequence), so this is what lets an 8B-shaped batch of 16 x 2,048 fit.
     checkpoint_layers = False
+    # training.block_attention, resolved (kernels/ttt_attention.resolve_backend): "flex" (FlexAttention over a block
+    # mask) or "reference" (SDPA over the dense mask), kernels/block_attention.py
+    attention = "reference"
 
     def __init__(self, config: DflashDrafterConfig):
         super().__init__()
@@ -167,10 +157,10 @@ class DflashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rope(context, torch.arange(s, device=device).unsqueeze(0).expand(b, -1))
         block_pos = (anchor_positions.unsqueeze(-1) + torch.arange(bk, device=device)).reshape(b, n * bk)
         cos, sin = self.rope(hidden, block_pos)
-        mask = block_attention_mask(anchor_positions, s, bk).unsqueeze(1)  # (B, 1, N*B_k, S + N*B_k)
+        attend_blocks = training_attention(self.attention, anchor_positions, s, bk)  # its mask built once a step
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            args = (layer, hidden, context, ctx_cos, ctx_sin, cos, sin, mask)
+            args = (layer, hidden, context, ctx_cos, ctx_sin, cos, sin, attend_blocks)
             hidden = checkpoint(_training_layer, *args, use_reentrant=False) if recompute else _training_layer(*args)
         return self.norm(hidden).view(b, n, bk, -1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.dflash.config import DflashDrafterConfig, spare_token_id
 from draftsmith.models.dflash.section import default_loss_gamma
 from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anchors, teacher_argmax, teacher_rows
@@ -48,6 +49,8 @@ class DflashMethod:
             self.notes = [f"dflash: mask slots use the target's frozen embedding row of token {mask_id}"]
         self.num_anchors = section.anchors_per_sequence
         self.checkpoint_layers = section.checkpoint_layers
+        self.attention = resolve_backend(recipe.training.block_attention, target.device, self.config.head_dim,
+                                         key="training.block_attention")
         self.loss_chunk_size = recipe.training.loss_chunk_size  # None: chosen by the head's size
         self.loss_grad = recipe.training.loss_grad
         self.soft_targets = section.loss == "soft_ce"
@@ -63,6 +66,7 @@ class DflashMethod:
         """An fp32 drafter (master weights). d2t/t2d are unused: DFlash reads out with the target's full head."""
         drafter = DflashDrafter(self.config).to(self.target.device)
         drafter.checkpoint_layers = self.checkpoint_layers
+        drafter.attention = self.attention
         init_drafter(drafter, self.target.embed_tokens.weight)
         return drafter
 

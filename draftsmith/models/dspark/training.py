@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.dflash.config import spare_token_id
 from draftsmith.models.dflash.loss import sample_anchors
 from draftsmith.models.dflash.model import init_drafter
@@ -58,6 +59,8 @@ class DsparkMethod:
         self.aux_layer_ids = self.config.aux_layer_ids
         self.num_anchors = section.anchors_per_sequence
         self.checkpoint_layers = section.checkpoint_layers
+        self.attention = resolve_backend(recipe.training.block_attention, target.device, self.config.head_dim,
+                                         key="training.block_attention")
         self.loss_options = dict(ce_weight=section.ce_weight, l1_weight=section.l1_weight,
                                  confidence_weight=section.confidence_weight if section.confidence_head else 0.0,
                                  gamma=section.loss_gamma, chunk_size=recipe.training.loss_chunk_size,
@@ -73,6 +76,7 @@ class DsparkMethod:
         """An fp32 drafter (master weights). d2t/t2d are unused: DSpark reads out with the target's full head."""
         drafter = DsparkDrafter(self.config).to(self.target.device)
         drafter.checkpoint_layers = self.checkpoint_layers
+        drafter.attention = self.attention
         init_drafter(drafter, self.target.embed_tokens.weight)
         init_heads(drafter)
         return drafter
