@@ -18,8 +18,9 @@
 #
 #   OUT=$OUT bash benchmarks/gpu_kernels.sh
 #   LOCAL=1 TINY=1 RUNS="eagle3+reference:256x2 eagle3:256x2" bash benchmarks/gpu_kernels.sh   # a CPU smoke run
-#   OUT=$OUT TESTS=tests/test_dflash_flex.py RUNS="dflash+reference:2048x16 dflash+flex:2048x16" \
-#     bash benchmarks/gpu_kernels.sh   # DFlash's block attention: FlexAttention against the dense-mask reference
+#   OUT=$OUT TESTS=tests/test_dflash_flex.py RUNS="dflash+reference:2048x4 dflash+flex:2048x4 \
+#     dflash+ckpt+reference:2048x16 dflash+ckpt+flex:2048x16" bash benchmarks/gpu_kernels.sh   # DFlash's block
+#     attention: FlexAttention against the dense-mask reference (16 x 2048 fits only with dflash.checkpoint_layers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
