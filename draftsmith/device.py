@@ -307,6 +307,15 @@ def compiled_flex_attention(device: torch.device | str) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def fused_loss_kernel(device: torch.device | str) -> bool:
+    """Whether the head losses' Triton kernel (kernels/fused_head_loss.py) may run on `device`: CUDA and ROCm with
+    Triton importable, unless DRAFTSMITH_FUSED_LOSS=0 (kernels/fused_head_loss.resolve_backend reads it). NPU and
+    CPU take the plain-torch chunked loss."""
+    if _device_type(device) != "cuda" or os.environ.get("DRAFTSMITH_FUSED_LOSS", "1") == "0":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`tensor` (on the CPU) on `device` without waiting for the device's queue.
 

@@ -11,6 +11,13 @@ import torch
 
 from draftsmith.device import accelerator_type
 
+# Triton chooses between its compiler and its interpreter (numpy, CPU tensors) when triton.language is imported,
+# and without an accelerator only the interpreter runs: set it before anything imports Triton, so that where Triton
+# is installed on a CPU machine, tests/test_fused_head_loss.py runs the head-loss kernel. A GPU machine keeps the
+# compiler (its gpu tests compile the same kernel).
+if accelerator_type() == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The real-vLLM tests need their own venv (`make interop`, which sets DRAFTSMITH_INTEROP=1).
 collect_ignore = [] if os.environ.get("DRAFTSMITH_INTEROP") == "1" else ["interop"]
 

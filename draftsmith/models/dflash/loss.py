@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.kernels.chunked_loss import LossGrad, row_losses
+from draftsmith.kernels.fused_head_loss import head_loss_rows
 from draftsmith.models.eagle3.loss import simulated_acceptance_length
 
 
@@ -107,19 +108,33 @@ def _chunk_soft_cross_entropy(hidden, labels, teacher_hidden, weight):
     return -(teacher * logits.log_softmax(-1)).sum(-1), pred
 
 
+def _chunk_cross_entropy_fused(hidden, labels, weight):
+    """`_chunk_cross_entropy` through the Triton kernel (kernels/fused_head_loss.py)."""
+    return head_loss_rows(hidden.to(weight.dtype), weight, kind="ce", labels=labels)  # argmax -1 where not finite
+
+
+def _chunk_soft_cross_entropy_fused(hidden, labels, teacher_hidden, weight):
+    losses, pred, _ = head_loss_rows(hidden.to(weight.dtype), weight, kind="soft_ce",
+                                     teacher_x=teacher_hidden.to(weight.dtype))
+    return losses, pred
+
+
 def head_cross_entropy(hidden, labels, head_weight, chunk_size: int | None = None, teacher_hidden=None,
-                       loss_grad: LossGrad = "in_forward"):
+                       loss_grad: LossGrad = "in_forward", loss_kernel: str = "reference"):
     """Per-row CE (M,) and argmax (M,) of `hidden` (M, H) read out by the frozen head (V, H); the argmax of a
     non-finite row is -1, so it never counts as correct. With `teacher_hidden` (M, H), the target's final-normed
     states the labels came from, the CE is against the target's whole distribution instead of its argmax.
 
     `chunk_size` rows at a time (None: chosen by the head's size, kernels/chunked_loss.loss_chunk_rows), each
-    chunk's gradient taken as `loss_grad` says, so only (chunk, V) logits are ever alive.
+    chunk's gradient taken as `loss_grad` says, so only (chunk, V) logits are ever alive; `loss_kernel` "fused"
+    computes each chunk with the Triton kernel.
     """
+    fused = loss_kernel == "fused"
     if teacher_hidden is None:
-        fn, rows = _chunk_cross_entropy, (hidden, labels)
+        fn, rows = _chunk_cross_entropy_fused if fused else _chunk_cross_entropy, (hidden, labels)
     else:
-        fn, rows = _chunk_soft_cross_entropy, (hidden, labels, teacher_hidden)
+        fn = _chunk_soft_cross_entropy_fused if fused else _chunk_soft_cross_entropy
+        rows = (hidden, labels, teacher_hidden)
     joined = row_losses(fn, rows, head_weight, chunk_size=chunk_size, vocab_size=head_weight.shape[0],
                         loss_grad=loss_grad)
     if joined is None:
@@ -128,7 +143,7 @@ def head_cross_entropy(hidden, labels, head_weight, chunk_size: int | None = Non
 
 
 def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float, teacher_hidden=None, chunk_size=None,
-                loss_grad: LossGrad = "in_forward"):
+                loss_grad: LossGrad = "in_forward", loss_kernel: str = "reference"):
     """Position-decayed cross-entropy over the mask slots of every block.
 
     block_hidden (B, N, B_k, H) final-normed drafter states; head_weight (V, H) the target's lm_head; labels and
@@ -140,7 +155,8 @@ def dflash_loss(block_hidden, head_weight, labels, valid, gamma: float, teacher_
     """
     slots = block_hidden[:, :, 1:]  # (B, N, B_k-1, H): slot 0 is the anchor, it predicts nothing
     ce_valid, pred_valid = head_cross_entropy(slots[valid], labels[valid], head_weight, chunk_size,
-                                              teacher_hidden=teacher_hidden, loss_grad=loss_grad)  # (M,)
+                                              teacher_hidden=teacher_hidden, loss_grad=loss_grad,
+                                              loss_kernel=loss_kernel)  # (M,)
     ce = torch.zeros(valid.shape, dtype=ce_valid.dtype, device=valid.device).masked_scatter(valid, ce_valid)
     correct = torch.zeros_like(valid).masked_scatter(valid, pred_valid == labels[valid])  # (B, N, B_k-1)
 

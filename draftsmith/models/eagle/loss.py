@@ -29,7 +29,7 @@ from draftsmith.models.mtp.model import shift_left
 
 def eagle_loss(out_hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor, lm_head: nn.Module, *,
                regression_weight: float = 1.0, ce_weight: float = 0.1, chunk_size: int | None = None,
-               loss_grad: LossGrad = "in_forward"):
+               loss_grad: LossGrad = "in_forward", loss_kernel: str = "reference"):
     """out_hidden (B, S, H) drafter outputs; last_hidden (B, S, H) the target's final-normed last hidden state;
     loss_mask (B, S), 1 on answer tokens; lm_head the target's frozen head. Returns (loss, metrics of 0-dim
     tensors): loss_0 (the weighted sum), regression_loss, ce_loss, acc_0 (argmax agreement with the target's),
@@ -41,7 +41,7 @@ def eagle_loss(out_hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: t
     rows = valid.nonzero(as_tuple=True)
     regression = F.smooth_l1_loss(out_hidden[rows].float(), next_hidden[rows].float(), reduction="none", beta=1.0)
     regression = regression.mean(-1).sum() / denominator
-    ce_rows, correct = soft_ce_positions(out_hidden, next_hidden, valid, lm_head, chunk_size, loss_grad)
+    ce_rows, correct = soft_ce_positions(out_hidden, next_hidden, valid, lm_head, chunk_size, loss_grad, loss_kernel)
     ce = ce_rows.sum() / denominator
     loss = regression_weight * regression + ce_weight * ce
     metrics = {"loss_0": loss.detach(), "regression_loss": regression.detach(), "ce_loss": ce.detach(),

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, loss_grad_in_forward, sharded_by_deepspeed
+from draftsmith.kernels.fused_head_loss import compute_dtype, head_loss_sum
 
 
 @torch.no_grad()
@@ -139,6 +140,17 @@ def _chunk_loss(hidden, teacher, valid, logits_fn, kind: str, lk_eta: float):
     return torch.where(valid, per_pos, 0.0).sum(), correct
 
 
+def _chunk_loss_fused(hidden, teacher, valid, head, kind: str, lk_eta: float, weight_compute):
+    """`_chunk_loss` through the Triton kernel (kernels/fused_head_loss.py): head = (head_input, weight), the
+    drafter's final norm (or identity) and its head; the loss sum differentiates to the hidden rows, the norm and
+    the head like the reference's."""
+    head_input, weight = head
+    total, _, student_arg, teacher_arg = head_loss_sum(head_input(hidden), weight, valid, kind=kind,
+                                                       teacher_logits=teacher, lk_eta=lk_eta,
+                                                       weight_compute=weight_compute)
+    return total, (student_arg == teacher_arg) & valid  # a non-finite row's argmax is -1: never correct
+
+
 def _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks):
     """The body `fused_ttt_loss` runs in the forward pass (kernels/chunked_loss.loss_grad_in_forward): the weighted
     loss sum_i weights[i] * loss_sum_i, its gradients with respect to `params` then each step's hidden (where
@@ -154,10 +166,10 @@ def _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks):
         loss_sum = total.new_zeros(())
         correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         base = hidden.detach().requires_grad_(need_hidden[i])
-        for start, end, args in step_chunks(i):
+        for start, end, chunk_loss, args in step_chunks(i):
             with torch.enable_grad():
                 part = base[start:end]  # a view, not a leaf (kernels/chunked_loss.py says why)
-                part_loss, part_correct = _chunk_loss(part, *args)
+                part_loss, part_correct = chunk_loss(part, *args)
                 wanted = ([part] if need_hidden[i] else []) + trained
                 grads = list(torch.autograd.grad(part_loss * weights[i], wanted, allow_unused=True)) if wanted else []
             if need_hidden[i]:
@@ -177,7 +189,7 @@ def _ttt_loss_and_grads(needs, params, flat_hidden, weights, step_chunks):
 def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draft, loss_mask, decay: float = 0.8,
                    kind: str = "soft_ce", lk_eta: float = 3.0, mask_outside_draft_vocab: bool = True,
                    chunk_size: int | None = None, doc_ids=None, count_mean=None, head_params=None,
-                   loss_grad: LossGrad = "in_forward"):
+                   loss_grad: LossGrad = "in_forward", loss_kernel: str = "reference", head=None):
     """`ttt_loss` of the logits `logits_fn(step_hidden[i])`, without ever holding a step's (B, S, V_d) logits.
 
     Positions are flattened to B*S rows and read `chunk_size` at a time (None: `loss_chunk_rows`). With
@@ -188,6 +200,9 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
     teacher row r + 1 + i: inside a sequence that is position t + 1 + i, and where it would cross into the next
     sequence the position is invalid anyway (loss_mask[t + 2 + i] lies past the end), so every chunk's teacher is a
     contiguous slice, never a copy. Same values, gradients and metrics as `ttt_loss` (tests/test_ttt_memory.py).
+    `loss_kernel` "fused" (kernels/fused_head_loss.resolve_backend) computes each chunk with the Triton kernel, given
+    `head` = (head_input, head weight) with logits_fn(h) = head_input(h) @ weight^T; the `recompute` path (and a
+    ZeRO-3 head) stays on the plain-torch chunk (tests/test_fused_head_loss.py).
     """
     b, s, _ = step_hidden[0].shape
     rows = b * s
@@ -201,14 +216,25 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
     flat_valid = [v.reshape(rows) for v in valid]
     grad_needed = torch.is_grad_enabled() and any(h.requires_grad for h in flat_hidden)
 
+    in_forward = bool(grad_needed and loss_grad == "in_forward" and head_params
+                      and not sharded_by_deepspeed(head_params))
+    fused = loss_kernel == "fused" and (in_forward or not grad_needed)
+    if fused and head is None:
+        raise ValueError("loss_kernel fused needs head=(head_input, head weight)")
+    # the head in the product's dtype once, not at every chunk (autocast caches its cast of the weight as well)
+    weight_compute = head[1].detach().to(compute_dtype(flat_hidden[0], head[1])) if fused else None
+
     def step_chunks(i):
-        """(start, end, chunk args) of step i: row r needs teacher row r + 1 + i < B*S."""
+        """(start, end, chunk function, its args) of step i: row r needs teacher row r + 1 + i < B*S."""
         for start in range(0, max(rows - 1 - i, 0), chunk_size):
             end = min(start + chunk_size, rows - 1 - i)
-            yield start, end, (teacher[start + 1 + i:end + 1 + i], flat_valid[i][start:end], logits_fn, kind,
-                               lk_eta)
+            part_teacher, part_valid = teacher[start + 1 + i:end + 1 + i], flat_valid[i][start:end]
+            if fused:
+                yield start, end, _chunk_loss_fused, (part_teacher, part_valid, head, kind, lk_eta, weight_compute)
+            else:
+                yield start, end, _chunk_loss, (part_teacher, part_valid, logits_fn, kind, lk_eta)
 
-    if grad_needed and loss_grad == "in_forward" and head_params and not sharded_by_deepspeed(head_params):
+    if in_forward:
         params = [p for p in head_params if p.requires_grad]
         weights = [(decay ** i) / denominators[i] for i in range(len(flat_hidden))]
         total, step_sums, step_correct = loss_grad_in_forward(
@@ -218,11 +244,11 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
         for i, hidden in enumerate(flat_hidden):
             loss_sum = hidden.new_zeros((), dtype=torch.float32)
             correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
-            for start, end, args in step_chunks(i):
+            for start, end, chunk_loss, args in step_chunks(i):
                 if grad_needed:
-                    part_loss, part_correct = checkpoint(_chunk_loss, hidden[start:end], *args, use_reentrant=False)
+                    part_loss, part_correct = checkpoint(chunk_loss, hidden[start:end], *args, use_reentrant=False)
                 else:
-                    part_loss, part_correct = _chunk_loss(hidden[start:end], *args)
+                    part_loss, part_correct = chunk_loss(hidden[start:end], *args)
                 loss_sum = loss_sum + part_loss
                 correct[start:end] = part_correct
             total = total + (decay ** i) * loss_sum / denominators[i]

@@ -136,7 +136,11 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, hidden):
         """Draft logits (B, S, V_d) of an `output_hidden`: the final norm is applied once, here or there."""
-        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
+        return self.lm_head(self.head_input(hidden))
+
+    def head_input(self, hidden):
+        """What the head reads of an `output_hidden`: logits(h) = lm_head(head_input(h)) (the fused loss's split)."""
+        return hidden if self.config.norm_output else self.norm(hidden)
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Every parameter `logits` reads (the fused loss takes their gradients in its forward pass)."""
@@ -232,7 +236,7 @@ class Eagle3Drafter(nn.Module):
         step_hidden = self.forward_ttt(aux_hidden, token_embeds, num_steps, position_ids, return_hidden=True,
                                        query_block=self.query_block, doc_ids=doc_ids)
         return fused_ttt_loss(self.logits, step_hidden, doc_ids=doc_ids, head_params=self.head_parameters(),
-                              **loss_targets)
+                              head=(self.head_input, self.lm_head.weight), **loss_targets)
 
     # ---- runtime: cached steps ---------------------------------------------------------------------
     def new_cache(self, batch_size, max_length, dtype, device) -> KVCache:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from draftsmith.kernels.chunked_loss import LossGrad, row_losses
+from draftsmith.kernels.fused_head_loss import head_loss_rows
 from draftsmith.models.eagle3.loss import simulated_acceptance_length
 from draftsmith.models.mtp.model import shift_left
 
@@ -38,17 +39,29 @@ def _soft_ce_rows(draft_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_h
     return -(p * log_q).sum(-1), agree
 
 
+def _soft_ce_rows_fused(draft_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head: nn.Module):
+    """`_soft_ce_rows` through the Triton kernel (kernels/fused_head_loss.py), for a head without a bias."""
+    if lm_head.bias is not None:
+        raise ValueError("training.loss_kernel=fused reads out through a head without a bias: set "
+                         "training.loss_kernel=reference")
+    weight = lm_head.weight
+    losses, student_arg, teacher_arg = head_loss_rows(draft_hidden.to(weight.dtype), weight, kind="soft_ce",
+                                                      teacher_x=teacher_hidden.to(weight.dtype))
+    return losses, student_arg == teacher_arg  # a non-finite row's argmaxes are -1 and -2: never agree
+
+
 def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: int | None = None,
-                      loss_grad: LossGrad = "in_forward"):
+                      loss_grad: LossGrad = "in_forward", loss_kernel: str = "reference"):
     """Soft CE (B, S) float32 and agreement (B, S) bool at the `valid` positions (zero / False elsewhere).
 
     Only valid positions are projected to the vocabulary, `chunk_size` rows at a time (None: chosen by the head's
     size, kernels/chunked_loss.loss_chunk_rows), each chunk's gradient taken as `loss_grad` says, so memory is
-    O(chunk_size x V) whatever the batch.
+    O(chunk_size x V) whatever the batch; `loss_kernel` "fused" computes each chunk with the Triton kernel.
     """
     rows = valid.nonzero(as_tuple=True)
     draft_rows, teacher_rows = draft_hidden[rows], teacher_hidden[rows]  # (N, H)
-    joined = row_losses(_soft_ce_rows, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size,
+    fn = _soft_ce_rows_fused if loss_kernel == "fused" else _soft_ce_rows
+    joined = row_losses(fn, (draft_rows, teacher_rows), lm_head, chunk_size=chunk_size,
                         vocab_size=lm_head.weight.shape[0], loss_grad=loss_grad)
     per_pos = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     correct = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
@@ -62,7 +75,7 @@ def soft_ce_positions(draft_hidden, teacher_hidden, valid, lm_head, chunk_size: 
 
 
 def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, chunk_size: int | None = None,
-             loss_grad: LossGrad = "in_forward"):
+             loss_grad: LossGrad = "in_forward", loss_kernel: str = "reference"):
     """Weighted soft cross-entropy over depths: sum_d decay**(d-1) * L_d.
 
     depth_hidden: list of (B, S, H) final-normed drafter states (depth 1 first); last_hidden (B, S, H): the
@@ -77,7 +90,7 @@ def mtp_loss(depth_hidden, last_hidden, loss_mask, lm_head, decay: float = 0.8, 
         depth = i + 1
         valid = shift_left(loss_mask.bool(), depth + 1)  # (B, S) t_{i+1+d} is an assistant token
         teacher = shift_left(last_hidden, depth)  # (B, S, H): z_{i+d}
-        per_pos, correct = soft_ce_positions(hidden, teacher, valid, lm_head, chunk_size, loss_grad)
+        per_pos, correct = soft_ce_positions(hidden, teacher, valid, lm_head, chunk_size, loss_grad, loss_kernel)
         count = valid.sum()
         depth_loss = per_pos.sum() / count.clamp(min=1)
         total = total + (decay ** i) * depth_loss
