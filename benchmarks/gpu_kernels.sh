@@ -21,10 +21,18 @@
 #   OUT=$OUT TESTS=tests/test_dflash_flex.py RUNS="dflash+reference:2048x4 dflash+flex:2048x4 \
 #     dflash+ckpt+reference:2048x16 dflash+ckpt+flex:2048x16" bash benchmarks/gpu_kernels.sh   # DFlash's block
 #     attention: FlexAttention against the dense-mask reference (16 x 2048 fits only with dflash.checkpoint_layers)
+#   OUT=$OUT FUSED_LOSS=1 BUDGET=570 bash benchmarks/gpu_kernels.sh   # the head losses' Triton kernel: its GPU
+#     tests (tests/test_fused_head_loss_gpu.py), then EAGLE-3 (FlexAttention) at 16 x 2048 and 4 x 8192 and DFlash
+#     (+ckpt) at 16 x 2048, each with and without +fusedloss side by side (gpu_kernels.json: fused_loss_vs_reference)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
 BUDGET="${BUDGET:-420}"  # seconds for the whole script
+if [ -n "${FUSED_LOSS:-}" ]; then  # the fused head loss against the plain-torch chunked loss
+  RUNS="${RUNS:-eagle3+flex:2048x16 eagle3+flex+fusedloss:2048x16 eagle3+flex:8192x4 eagle3+flex+fusedloss:8192x4 \
+dflash+ckpt:2048x16 dflash+ckpt+fusedloss:2048x16}"  # DFlash at 16 x 2048 fits only with +ckpt
+  TESTS="${TESTS:-tests/test_fused_head_loss_gpu.py}"
+fi
 RUNS="${RUNS:-eagle3+reference:2048x16 eagle3+flex:2048x16 eagle3+flex:8192x4 eagle3+reference:8192x4}"
 TESTS="${TESTS:-tests/test_ttt_flex.py tests/test_dflash_flex.py \
 tests/test_gpu.py::test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu}"
@@ -50,6 +58,7 @@ timeout "$(( $(left) - 15 ))" "$PYTHON" benchmarks/train_8b_shape.py --out "$OUT
   | tee "$OUT/train_8b_shape.log" | tail -30
 echo "train_8b_shape: $(( SECONDS - start )) s" | tee -a "$OUT/train_8b_shape.log"
 
-COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }bash benchmarks/gpu_kernels.sh" \
+COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }${FUSED_LOSS:+FUSED_LOSS=1 }"\
+"bash benchmarks/gpu_kernels.sh" \
   "$PYTHON" benchmarks/kernels_summary.py "$OUT"
 ls -la "$OUT"

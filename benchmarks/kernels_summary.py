@@ -42,8 +42,8 @@ def test_outcome(path: Path) -> dict:
             "tests": [f"{c.get('classname')}::{c.get('name')}" for c in cases]}
 
 
-FIGURES = ("method", "ttt_attention", "block_attention", "query_block", "loss_chunk_rows", "tokens_per_s",
-           "peak_memory_gib", "mfu_vs_790", "mfu_vs_measured_matmul", "ratio_to_forward_only",
+FIGURES = ("method", "ttt_attention", "block_attention", "loss_kernel", "query_block", "loss_chunk_rows",
+           "tokens_per_s", "peak_memory_gib", "mfu_vs_790", "mfu_vs_measured_matmul", "ratio_to_forward_only",
            "target_forward_only_tokens_per_s", "step_seconds", "error", "message")
 
 
@@ -54,12 +54,28 @@ def side_by_side(runs: list[dict]) -> list[dict]:
     for r in runs:
         kernel = r.get("ttt_attention") or r.get("block_attention")
         if "error" not in r and kernel in ("flex", "reference"):
-            by_shape.setdefault((r.get("method"), r["seq"], r["batch"]), {})[kernel] = r
+            by_shape.setdefault((r.get("method"), r["seq"], r["batch"], r.get("loss_kernel")), {})[kernel] = r
     return [{"method": method, "seq": seq, "batch": batch,
              "tokens_per_s_flex_over_reference": pair["flex"]["tokens_per_s"] / pair["reference"]["tokens_per_s"],
              "peak_gib_flex_over_reference": pair["flex"]["peak_memory_gib"] / pair["reference"]["peak_memory_gib"]
              if pair["reference"]["peak_memory_gib"] else None}
-            for (method, seq, batch), pair in by_shape.items() if len(pair) == 2]
+            for (method, seq, batch, _), pair in by_shape.items() if len(pair) == 2]
+
+
+def fused_loss_side_by_side(runs: list[dict]) -> list[dict]:
+    """The head losses' Triton kernel against the plain-torch chunked loss: each run measured with and without
+    +fusedloss, its tokens/s and peak memory ratios and both MFUs."""
+    by_name = {r["run"]: r for r in runs if "error" not in r}
+    pairs = []
+    for name, fused in by_name.items():
+        plain = by_name.get(name.replace("+fusedloss", "")) if "+fusedloss" in name else None
+        if plain is not None:
+            pairs.append({"run": plain["run"], "seq": plain["seq"], "batch": plain["batch"],
+                          "tokens_per_s_fused_over_reference": fused["tokens_per_s"] / plain["tokens_per_s"],
+                          "peak_gib_fused_over_reference": fused["peak_memory_gib"] / plain["peak_memory_gib"]
+                          if plain["peak_memory_gib"] else None,
+                          "mfu_vs_790_fused": fused.get("mfu_vs_790"), "mfu_vs_790_reference": plain.get("mfu_vs_790")})
+    return pairs
 
 
 def main(out: Path) -> int:
@@ -72,7 +88,7 @@ def main(out: Path) -> int:
                "versions": versions(), "gpu_tests": test_outcome(out / "gpu_tests.xml"),
                "train_8b_shape": {"command": train.get("command"), "measured_matmul_tflops":
                                   train.get("measured_matmul_tflops"), "runs": runs},
-               "flex_vs_reference": side_by_side(runs)}
+               "flex_vs_reference": side_by_side(runs), "fused_loss_vs_reference": fused_loss_side_by_side(runs)}
     (out / "gpu_kernels.json").write_text(json.dumps(summary, indent=2) + "\n")
     tests = summary["gpu_tests"]
     print(f"gpu tests: {tests.get('passed')} passed, {tests.get('failed')} failed, {tests.get('skipped')} skipped"
@@ -91,6 +107,11 @@ def main(out: Path) -> int:
         memory = pair["peak_gib_flex_over_reference"] or 0.0
         print(f"{pair['method']} flex / reference at {pair['batch']} x {pair['seq']}: tokens/s "
               f"{pair['tokens_per_s_flex_over_reference']:.2f}x, peak memory {memory:.2f}x")
+    for pair in summary["fused_loss_vs_reference"]:
+        memory = pair["peak_gib_fused_over_reference"] or 0.0
+        print(f"{pair['run']} fused loss / reference: tokens/s {pair['tokens_per_s_fused_over_reference']:.2f}x, "
+              f"peak memory {memory:.2f}x, MFU {pair['mfu_vs_790_fused'] or 0:.1%} vs "
+              f"{pair['mfu_vs_790_reference'] or 0:.1%}")
     return 0
 
 

@@ -12,8 +12,10 @@ with fp32 master weights and AdamW, as accelerate's bf16 mixed precision does), 
 block and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_attention`, `query_block`,
 `loss_chunk_rows`); `+flex` and `+reference` force training.ttt_attention (FlexAttention, or the plain-torch blocked
 reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` training.compile_drafter (compilations, the
-FlexAttention kernel's too, fall in the untimed warm-up steps). `eagle3/reference` is the path training took before
-blocked attention (S x S scores and whole-step logits kept for the backward pass). `dflash` runs DflashMethod.loss,
+FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (eagle3, dflash, mtp) sets
+training.loss_kernel=fused, the head losses' Triton kernel (each run records its `loss_kernel`). `eagle3/reference`
+is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward
+pass). `dflash` runs DflashMethod.loss,
 `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with training.block_attention
 (default: the reference; each run records its kernel in `block_attention`); `mtp` MtpMethod.loss (one new module,
 mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
@@ -61,7 +63,8 @@ def matmul_tflops(device, n: int = 8192) -> float | None:
 
 
 FLAGS = {"ckpt": ("checkpoint_ttt_steps", True), "compile": ("compile_drafter", True),  # eagle3+FLAG: training.KEY
-         "flex": ("ttt_attention", "flex"), "reference": ("ttt_attention", "reference")}
+         "flex": ("ttt_attention", "flex"), "reference": ("ttt_attention", "reference"),
+         "fusedloss": ("loss_kernel", "fused")}  # every method: the head losses' Triton kernel
 
 
 def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
@@ -72,11 +75,12 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     method, *flags = head.split("+")
     if (method not in ("eagle3", "dflash", "mtp") or variant not in ("", "reference")
             or (variant and method != "eagle3") or any(f not in FLAGS for f in flags)
-            or (method == "dflash" and set(flags) - {"ckpt", "flex", "reference"}) or (method == "mtp" and flags)
+            or (method == "dflash" and set(flags) - {"ckpt", "flex", "reference", "fusedloss"})
+            or (method == "mtp" and set(flags) - {"fusedloss"})
             or {"flex", "reference"} <= set(flags) or (variant and {"flex", "reference"} & set(flags))):
-        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][+flex|+reference][/reference]:SEQxBATCH "
-                         "(/reference: the dense path, its own attention), "
-                         "dflash[+ckpt][+flex|+reference]:SEQxBATCH or mtp:SEQxBATCH")
+        raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][+flex|+reference][+fusedloss][/reference]"
+                         ":SEQxBATCH (/reference: the dense path, its own attention and loss), "
+                         "dflash[+ckpt][+flex|+reference][+fusedloss]:SEQxBATCH or mtp[+fusedloss]:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 
@@ -85,7 +89,9 @@ def training_keys(name: str, flags) -> dict:
     training.block_attention (its +ckpt is dflash.checkpoint_layers)."""
     if name == "eagle3":
         return dict(FLAGS[f] for f in flags)
-    return {"block_attention": f for f in flags if f in ("flex", "reference")} if name == "dflash" else {}
+    fused = dict([FLAGS["fusedloss"]]) if "fusedloss" in flags else {}  # every method: the head losses' kernel
+    return {**fused, **({"block_attention": f for f in flags if f in ("flex", "reference")} if name == "dflash"
+                        else {})}
 
 
 def build_method(name: str, target: TargetModel, args, flags=()):
@@ -128,17 +134,19 @@ def chosen_kernels(method, drafter, dense: bool, seq: int, batch: int, args) -> 
     from draftsmith.kernels.chunked_loss import loss_chunk_rows
     from draftsmith.kernels.ttt_attention import query_block_for
 
+    loss_kernel = {"loss_kernel": method.loss_options["loss_kernel"] if hasattr(method, "loss_options")
+                   else method.loss_kernel}
     if method.name == "dflash":
-        return {"block_attention": drafter.attention}
+        return {"block_attention": drafter.attention, **loss_kernel}
     if method.name != "eagle3":
-        return {}
+        return loss_kernel
     if dense:
-        return {"ttt_attention": "dense", "query_block": seq,
+        return {"ttt_attention": "dense", "query_block": seq, "loss_kernel": "reference",
                 "loss_chunk_rows": None}  # the whole S x S scores, whole-step logits
     config = drafter.config
     block = (None if drafter.ttt_attention == "flex"
              else query_block_for(batch, config.num_attention_heads, seq, method.ttt_steps, drafter.query_block))
-    return {"ttt_attention": drafter.ttt_attention, "query_block": block,
+    return {"ttt_attention": drafter.ttt_attention, "query_block": block, **loss_kernel,
             "loss_chunk_rows": loss_chunk_rows(config.draft_vocab_size, method.loss_options["chunk_size"])}
 
 

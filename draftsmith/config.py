@@ -163,6 +163,12 @@ class TrainingConfig(BaseModel):
     # ROCm (DRAFTSMITH_FLEX_ATTENTION=0 turns it off), the plain-torch reference on NPU and CPU; flex or reference
     # force one (flex is refused where it cannot run). Both compute the same attention.
     ttt_attention: Literal["auto", "flex", "reference"] = "auto"
+    # The head losses' kernel (kernels/fused_head_loss.py): fused = one Triton kernel per loss chunk turns the chunk's
+    # logits into their gradient in place (EAGLE-3, MTP, EAGLE-1, DFlash; CUDA and ROCm; needs loss_grad
+    # in_forward); reference = the plain-torch chunked loss (kernels/chunked_loss.py), which DSpark and Gemma 4 MTP
+    # always take. auto = the reference until the kernel has been measured on the device (issue 28: nothing unmeasured
+    # runs by default; DRAFTSMITH_FUSED_LOSS=0 keeps auto there for good). Both compute the same loss.
+    loss_kernel: Literal["auto", "fused", "reference"] = "auto"
     # DFlash's and DSpark's block attention kernel (kernels/block_attention.py), the same choices: reference = SDPA
     # with a dense (B, N*B_k, S + N*B_k) mask; flex = FlexAttention over a block mask built from the anchors (only
     # the tiles a block sees are computed); auto = flex where ttt_attention's auto takes it. The default stays
@@ -212,6 +218,9 @@ class TrainingConfig(BaseModel):
         for i, beta in enumerate(self.adam_betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"training.adam_betas[{i}] is {beta}: each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        if self.loss_kernel == "fused" and self.loss_grad != "in_forward":
+            raise ValueError("training.loss_kernel=fused takes each chunk's gradient in the forward pass: set "
+                             "training.loss_grad=in_forward, or training.loss_kernel=reference to recompute")
         return self
 
 

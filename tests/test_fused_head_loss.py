@@ -297,3 +297,24 @@ def test_the_backend_is_chosen_by_the_device_and_forced_by_the_key(monkeypatch):
     monkeypatch.setattr(dev.importlib.util, "find_spec", lambda name: None)  # no Triton
     assert resolve_backend("auto", "cuda") == "reference"
 
+
+
+def test_the_key_is_checked_and_reaches_every_method(fixture_target_dir):
+    """training.loss_kernel: fused with recompute is refused in one line; each method resolves the key once."""
+    from draftsmith.config import recipe_from_dict
+    from draftsmith.models.target import TargetModel
+    from draftsmith.train.trainer import method_class
+
+    def recipe(method, **training):
+        return recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": method},
+                                 "data": {"path": "x.jsonl"}, "output_dir": "unused", "training": training})
+
+    with pytest.raises(ValueError, match="set training.loss_grad=in_forward"):
+        recipe("eagle3", loss_kernel="fused", loss_grad="recompute")
+    target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
+    for method in ("eagle3", "mtp", "eagle", "dflash"):
+        built = method_class(method)(recipe(method, loss_kernel="auto"), target)
+        chosen = built.loss_options["loss_kernel"] if hasattr(built, "loss_options") else built.loss_kernel
+        assert chosen == "reference", method
+        with pytest.raises(ValueError, match="loss_kernel=fused needs a CUDA or ROCm GPU"):
+            method_class(method)(recipe(method, loss_kernel="fused"), target)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
 from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.dflash.config import DflashDrafterConfig, spare_token_id
 from draftsmith.models.dflash.section import default_loss_gamma
@@ -53,6 +54,7 @@ class DflashMethod:
                                          key="training.block_attention")
         self.loss_chunk_size = recipe.training.loss_chunk_size  # None: chosen by the head's size
         self.loss_grad = recipe.training.loss_grad
+        self.loss_kernel = resolve_loss_kernel(recipe.training.loss_kernel, target.device, self.loss_grad)
         self.soft_targets = section.loss == "soft_ce"
         self.gamma = section.loss_gamma if section.loss_gamma is not None else default_loss_gamma(section.block_size)
 
@@ -85,4 +87,4 @@ class DflashMethod:
         soft = (teacher_rows(captured.last_hidden, anchors, valid, self.config.block_size)
                 if self.soft_targets else None)
         return dflash_loss(hidden, self.target.lm_head.weight, labels, valid, self.gamma, soft, self.loss_chunk_size,
-                           loss_grad=self.loss_grad)
+                           loss_grad=self.loss_grad, loss_kernel=self.loss_kernel)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
 from draftsmith.models.eagle.config import EagleConfig
 from draftsmith.models.eagle.loss import eagle_loss
 from draftsmith.models.eagle.model import EagleDrafter
@@ -26,7 +27,9 @@ class EagleMethod:
         self.aux_layer_ids = [target.num_layers]
         self.noise = section.hidden_noise
         self.loss_options = dict(regression_weight=section.regression_weight, ce_weight=section.ce_weight,
-                                 chunk_size=recipe.training.loss_chunk_size, loss_grad=recipe.training.loss_grad)
+                                 chunk_size=recipe.training.loss_chunk_size, loss_grad=recipe.training.loss_grad,
+                                 loss_kernel=resolve_loss_kernel(recipe.training.loss_kernel, target.device,
+                                                                 recipe.training.loss_grad))
         self.notes = [f"eagle: loss {section.regression_weight:g} x smooth-L1 to the target's next hidden state + "
                       f"{section.ce_weight:g} x cross-entropy to its next-token distribution (the EAGLE reference's)"
                       + (f", hidden states read with uniform noise of width {self.noise:g}" if self.noise else "")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
 from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets
@@ -22,7 +23,9 @@ class Eagle3Method:
         self.ttt_steps = training.ttt_steps
         self.loss_options = dict(decay=training.ttt_decay, kind=training.loss, lk_eta=training.lk_eta,
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab,
-                                 chunk_size=training.loss_chunk_size, loss_grad=training.loss_grad)
+                                 chunk_size=training.loss_chunk_size, loss_grad=training.loss_grad,
+                                 loss_kernel=resolve_loss_kernel(training.loss_kernel, target.device,
+                                                                 training.loss_grad))
         self.query_block = training.ttt_query_block
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
 from draftsmith.models.mtp.config import MtpDrafterConfig
 from draftsmith.models.mtp.loss import mtp_loss
 from draftsmith.models.mtp.model import MtpDrafter
@@ -23,6 +24,7 @@ class MtpMethod:
         self.decay = mtp.depth_decay
         self.loss_chunk_size = recipe.training.loss_chunk_size  # None: chosen by the head's size
         self.loss_grad = recipe.training.loss_grad
+        self.loss_kernel = resolve_loss_kernel(recipe.training.loss_kernel, target.device, self.loss_grad)
         # MTP reads the target's last hidden state after its final norm (model.py), no aux layer; id L (that state
         # before the norm) is what the runtime captures and normalises itself (proposer.py).
         self.aux_layer_ids = [target.num_layers]
@@ -65,4 +67,4 @@ class MtpMethod:
         # h^0 = captured.last_hidden, after the final norm: what the engines hand MTP (and the teacher's input)
         depth_hidden = drafter(token_embeds, captured.last_hidden, self.num_depths)
         return mtp_loss(depth_hidden, captured.last_hidden, batch["loss_mask"], self.target.lm_head, self.decay,
-                        self.loss_chunk_size, loss_grad=self.loss_grad)
+                        self.loss_chunk_size, loss_grad=self.loss_grad, loss_kernel=self.loss_kernel)
