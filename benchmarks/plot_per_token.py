@@ -1,5 +1,7 @@
 """PNG of benchmarks/per_token.py's learning curves: tau at k=5 (T=0) against training tokens, one line per curve
-run (draftsmith's curve configs, each speculators variant), and every final checkpoint as a point.
+run (draftsmith's curve configs, each speculators variant), and every other run's last scored checkpoint as a
+point. A run stopped by its call's deadline (`"partial": true`) is drawn dashed or hollow and labelled "partial";
+runs from several calls (`per_token.py --merge` / `merge`) are drawn alike, the title names the calls.
 
     python benchmarks/plot_per_token.py benchmarks/results/.../per_token.json   # writes per_token.png beside it
 """
@@ -11,6 +13,17 @@ import sys
 from pathlib import Path
 
 
+def scored(run: dict) -> list[dict]:
+    return [p for p in run["points"] if (p.get("tau") or {}).get("5") is not None]
+
+
+def is_partial(run: dict) -> bool:
+    """Stopped short of its plan, or its last checkpoint not scored (as per_token.summarize reads it)."""
+    points = scored(run)
+    return bool(run.get("partial", run.get("stopped_at_deadline"))) or bool(
+        points and points[-1]["step"] != run["points"][-1]["step"])
+
+
 def main(argv: list[str]) -> int:
     import matplotlib
 
@@ -19,18 +32,26 @@ def main(argv: list[str]) -> int:
 
     path = Path(argv[0])
     result = json.loads(path.read_text())
+    partial = {r["name"]: is_partial(r) for r in result["runs"]}
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, curve in result["summary"]["curves"].items():
         if curve:
-            ax.plot([p["tokens"] / 1e6 for p in curve], [p["tau_k5"] for p in curve], marker="o", label=name)
+            label = name + (" (partial)" if partial.get(name) else "")
+            ax.plot([p["tokens"] / 1e6 for p in curve], [p["tau_k5"] for p in curve], marker="o", label=label,
+                    linestyle="--" if partial.get(name) else "-")
     for run in result["runs"]:
-        final = run["points"][-1] if run["points"] else {}
-        if not run["curve"] and (final.get("tau") or {}).get("5") is not None:
-            ax.scatter(final["tokens"] / 1e6, final["tau"]["5"], marker="x")
-            ax.annotate(run["name"], (final["tokens"] / 1e6, final["tau"]["5"]), fontsize=6)
+        if not run["curve"] and scored(run):
+            final = scored(run)[-1]
+            hollow = partial.get(run["name"])
+            ax.scatter(final["tokens"] / 1e6, final["tau"]["5"], marker="o" if hollow else "x",
+                       facecolors="none" if hollow else None, edgecolors="black" if hollow else None)
+            ax.annotate(run["name"] + (f" (partial, step {final['step']})" if hollow else ""),
+                        (final["tokens"] / 1e6, final["tau"]["5"]), fontsize=6)
+    calls = len(result.get("calls") or [result])
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("mean acceptance length, k=5, T=0")
-    ax.set_title(f"EAGLE-3 on the fixture target: draftsmith vs speculators ({result['hardware']})", fontsize=9)
+    ax.set_title(f"EAGLE-3 on the fixture target: draftsmith vs speculators ({result['hardware']}, "
+                 f"{calls} call{'s' if calls > 1 else ''})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     out = path.with_suffix(".png")
