@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_engine import MAX_TOKENS, VllmError, load_problems, run_vllm
+from vllm_engine import MATRIX, MAX_TOKENS, VllmError, load_problems, run_vllm
 
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
-MATRIX: list[dict] = []  # one row per test, printed at the end of the run
 COUNTED: dict[str, tuple[dict, dict]] = {}  # check()'s name -> (vLLM's counters, draftsmith's), kept on failure too
 
 
@@ -286,13 +285,3 @@ def test_suffix_trees_draft_what_arcticinference_drafts():
         assert (best[1], best[0]) == (list(expected.token_ids), expected.score), (sequences, context)
         drafted += bool(best[1])
     assert drafted > 1000  # most contexts draft something: the comparison is not of empty drafts
-
-
-def test_zz_print_the_matrix(capsys):
-    """The matrix of this run, one JSON line per format or method (the last test of the module), on the terminal
-    even though `make interop` captures the output of passing tests."""
-    with capsys.disabled():
-        print("\nINTEROP MATRIX")
-        for row in MATRIX:
-            print(json.dumps(row))
-    assert MATRIX

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vllm_engine import VllmError, run_vllm
+from vllm_engine import VllmError, report, run_vllm
 
 REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
 
@@ -41,7 +41,7 @@ def test_vllm_cpu_refuses_dspark_for_its_runner_only(fixture_prompts, accepting_
         run_vllm(target.name_or_path, prompts[:1], {"method": "dspark", "model": str(draft),
                                                     "num_speculative_tokens": 4})
     lines = refused.value.lines
-    print(json.dumps({"format or method": "dspark", "loads": False, "refused by vLLM": str(refused.value)[:300]}))
+    report({"format or method": "dspark", "loads": False, "refused by vLLM": str(refused.value)[:300]})
     assert REFUSAL in str(refused.value)
     assert any("Resolved architecture: Qwen3DSparkModel" in line for line in lines)  # our config was read first
 
@@ -64,7 +64,7 @@ def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, acc
                           str(tmp_path / "job.json"), str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    print(json.dumps({"format or method": "dspark (vLLM's reader and loader)", **result}))
+    report({"format or method": "dspark (vLLM's reader and loader)", **result})
     assert result["method"] == "dspark" and result["architectures"] == ["Qwen3DSparkModel"]
     assert result["aux_layer_ids"] == cfg.aux_layer_ids  # vLLM captures the layers the drafter was trained on
     assert result["mask_token_id"] == cfg.mask_token_id and result["sample_from_anchor"] is True

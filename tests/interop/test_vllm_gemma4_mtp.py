@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_gemma4_mtp import fine_tuned, random_assistant, random_target, write_checkpoint
-from vllm_engine import VllmError, load_problems, run_vllm
+from vllm_engine import VllmError, report, load_problems, run_vllm
 
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.metrics import SpecDecodingMetrics
@@ -100,9 +100,9 @@ def test_vllm_serves_the_export_losslessly_with_draftsmiths_counters(scene):
                                                           "num_speculative_tokens": K}, eos)
     theirs = {k: counters.get(k) for k in COUNTERS}
     problems = load_problems(lines, drafter=True)
-    print(json.dumps({"format or method": "gemma4_mtp (vLLM method mtp)", "loads": not problems,
+    report({"format or method": "gemma4_mtp (vLLM method mtp)", "loads": not problems,
                       "outputs equal": outputs == answers == ours, "counters equal": theirs == our_counters,
-                      "vLLM counters": theirs, "draftsmith counters": our_counters, "CPU seconds": round(seconds, 1)}))
+                      "vLLM counters": theirs, "draftsmith counters": our_counters, "CPU seconds": round(seconds, 1)})
     assert not problems, problems
     assert any("Resolved architecture: Gemma4MTPModel" in line for line in lines)  # read as Gemma 4's assistant
     assert ours == answers, "draftsmith's speculative outputs differ from its plain greedy decoding"
@@ -118,8 +118,8 @@ def test_vllm_cpu_refuses_the_centroid_head_and_its_centroid_head_agrees_with_ou
         run_vllm(str(folder), prompts[:1], {"method": "mtp", "model": str(export), "num_speculative_tokens": K},
                  max_tokens=4)
     lines = refused.value.lines
-    print(json.dumps({"format or method": "gemma4_mtp with centroid head (vLLM method mtp)", "loads": False,
-                      "refused by vLLM": str(refused.value)[:300]}))
+    report({"format or method": "gemma4_mtp with centroid head (vLLM method mtp)", "loads": False,
+                      "refused by vLLM": str(refused.value)[:300]})
     assert CUDA_GRAPH_REFUSAL in str(refused.value)
     assert not load_problems(lines, drafter=True)  # its loader took every tensor of the export first
     assert any("Gemma4 MTP: centroids masking enabled" in line for line in lines)

@@ -17,6 +17,16 @@ LOAD_PROBLEMS = ("missing", "unexpected", "not loaded", "not initialized", "were
 # a WEIGHTS_LOADED line after DRAFTER_LOAD_STARTS, in a run that went on, is the drafter's weights loaded in full.
 DRAFTER_LOAD_STARTS = "Loading drafter model..."
 WEIGHTS_LOADED = "Loading weights took"
+MATRIX: list[dict] = []  # one row per format or method of every interop file, printed at the end (conftest.py)
+
+
+def report(row: dict) -> dict:
+    """Add `row` to the run's matrix and print it (seen with -s)."""
+    import json
+
+    MATRIX.append(row)
+    print(json.dumps(row))
+    return row
 
 
 def run_vllm(target: str, prompts, speculative_config: dict | None, max_tokens: int = MAX_TOKENS, model=None,
