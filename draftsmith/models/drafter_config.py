@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
@@ -22,6 +22,58 @@ def legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] 
     theta = float(rope_parameters.get("rope_theta", 10000.0))
     scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
     return theta, scaling if scaling.get("rope_type", "default") != "default" else None
+
+
+def one_layer_llama_config(config) -> LlamaConfig:
+    """A one-layer `LlamaConfig` of an EAGLE-style drafter config (EAGLE-1 and EAGLE-3 name their fields alike), for
+    the transformers building blocks (RoPE, MLP, norms) the draft layer reuses."""
+    return LlamaConfig(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        num_hidden_layers=1,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=dict(config.rope_parameters),
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+    )
+
+
+def one_layer_llama_json(config) -> dict[str, Any]:
+    """The draft layer as a Llama config, as an EAGLE-style drafter's exports write it: the top level of EAGLE-1's
+    reference layout and EAGLE-3's native one, and speculators' `transformer_layer_config` (which vLLM merges into
+    the model config it builds). RoPE both as transformers 5 and as older readers take it; each method adds its own
+    keys."""
+    rope = {"rope_type": "default", **config.rope_parameters}
+    rope_theta, rope_scaling = legacy_rope(rope)
+    rope["rope_theta"] = rope_theta
+    return {
+        "model_type": "llama",  # "qwen3" would make newer vLLM build q/k norms the draft layer does not have
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,  # explicit: speculators doubles hidden_size for its RoPE module
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope,
+        "tie_word_embeddings": False,  # True would make SGLang use the embedding as lm_head
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+    }
 
 
 def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:

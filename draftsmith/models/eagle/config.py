@@ -13,7 +13,8 @@ from typing import Any
 
 from transformers import LlamaConfig, PretrainedConfig
 
-from draftsmith.models.drafter_config import config_from_dict, rope_parameters_of, target_provenance
+from draftsmith.models.drafter_config import (config_from_dict, one_layer_llama_config, rope_parameters_of,
+                                             target_provenance)
 
 METHOD = "eagle"
 
@@ -83,18 +84,4 @@ class EagleConfig:
 
     def llama_config(self) -> LlamaConfig:
         """A `LlamaConfig` for the transformers building blocks (RoPE, MLP) the draft layer reuses."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            num_hidden_layers=1,
-            vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            hidden_act=self.hidden_act,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            attention_bias=self.attention_bias,
-            mlp_bias=self.mlp_bias,
-        )
+        return one_layer_llama_config(self)

@@ -41,7 +41,7 @@ from draftsmith.models.checkpoint import (
     resolve_checkpoint,
     write_export,
 )
-from draftsmith.models.drafter_config import is_int, legacy_rope
+from draftsmith.models.drafter_config import is_int, one_layer_llama_json
 from draftsmith.models.eagle.config import METHOD, EagleConfig
 from draftsmith.models.model_card import render_model_card
 
@@ -67,32 +67,10 @@ _REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "nu
 
 def native_config(config: EagleConfig, step: int | None = None) -> dict[str, Any]:
     """The reference's config.json of this drafter (module docstring)."""
-    rope = {"rope_type": "default", **config.rope_parameters}
-    rope_theta, rope_scaling = legacy_rope(rope)
-    rope["rope_theta"] = rope_theta
     return {
         "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": rope,
-        "tie_word_embeddings": False,
+        **one_layer_llama_json(config),
         "bias": config.fc_bias,  # the reference's fc bias (missing = true there)
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
         "draftsmith": {
             "version": draftsmith_version(),
             "method": METHOD,

@@ -39,7 +39,7 @@ from draftsmith.models.checkpoint import (
     write_export,
 )
 from draftsmith.models.eagle3.config import FORWARD_FLAGS, METHOD, Eagle3Config
-from draftsmith.models.drafter_config import DrafterLoadError, is_int, legacy_rope
+from draftsmith.models.drafter_config import DrafterLoadError, is_int, one_layer_llama_json
 from draftsmith.models.spec import capture_from_output, output_from_capture
 from draftsmith.models.model_card import render_model_card
 
@@ -182,35 +182,13 @@ def tensors_from_native(
 def native_config(config: Eagle3Config, step: int | None = None) -> dict[str, Any]:
     """The Llama-shaped `config.json` both engines read, with aux ids in each engine's convention."""
     capture_ids = list(config.aux_layer_ids)
-    rope = {"rope_type": "default", **config.rope_parameters}
-    rope_theta, rope_scaling = legacy_rope(rope)
-    rope["rope_theta"] = rope_theta
     return {
         "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "vocab_size": config.vocab_size,
+        **one_layer_llama_json(config),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": rope,
-        "tie_word_embeddings": False,  # True would make SGLang use the embedding as lm_head
         # the forward-pass flags, as vLLM's llama_eagle3.py reads them
         **config.variants(),
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
         AUX_IDS_KEY: capture_ids,
         "eagle_config": {AUX_IDS_KEY: output_from_capture(capture_ids), "use_aux_hidden_state": True},
         "draftsmith": {

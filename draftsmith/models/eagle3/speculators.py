@@ -61,7 +61,7 @@ from draftsmith.models.eagle3.export import (
     eagle3_serve_commands,
     expected_native_shapes,
 )
-from draftsmith.models.drafter_config import is_int, legacy_rope
+from draftsmith.models.drafter_config import is_int, one_layer_llama_json
 from draftsmith.models.model_card import looks_like_hub_id, render_model_card
 
 SPECULATORS_MODEL_TYPE = "eagle3"
@@ -156,35 +156,6 @@ def load_target_embedding(target: str) -> tuple[torch.Tensor | None, str]:
 
 
 # ---- config ------------------------------------------------------------------------------------------------
-def transformer_layer_config(config: Eagle3Config) -> dict[str, Any]:
-    """The draft layer as a Llama config: vLLM merges exactly this into the model config it builds."""
-    rope = {"rope_type": "default", **config.rope_parameters}
-    rope_theta, rope_scaling = legacy_rope(rope)
-    rope["rope_theta"] = rope_theta
-    return {
-        "model_type": "llama",  # "qwen3" would make newer vLLM build q/k norms the draft layer does not have
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,  # explicit: speculators doubles hidden_size for its RoPE module
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": rope,
-        "tie_word_embeddings": False,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-    }
-
-
 HF_CACHE_REPO = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/")  # a Hugging Face cache snapshot
 
 
@@ -220,7 +191,7 @@ def speculators_config(
         "architectures": [ARCHITECTURE],
         "speculators_model_type": SPECULATORS_MODEL_TYPE,
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": transformer_layer_config(config),
+        "transformer_layer_config": one_layer_llama_json(config),  # vLLM merges it into its model config
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         AUX_IDS_KEY: list(config.aux_layer_ids),  # capture ids, as vLLM and speculators read them
