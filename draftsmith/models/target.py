@@ -26,7 +26,7 @@ from torch import nn
 
 from draftsmith import device as dev
 from draftsmith.models.targets import DENSE_MODEL_TYPES, family_for, unsupported_reason
-from draftsmith.models.targets.base import (StepState, TargetError, config_attribute, layer_recorder, rotate_half,
+from draftsmith.models.targets.base import (StepState, TargetError, apply_rope, config_attribute, layer_recorder,
                                            step_masks)
 from draftsmith.models.targets.generic import TransformersForward
 from draftsmith.models.targets.llama import attend  # noqa: F401 - re-exported (MTP's blocks, tests)
@@ -548,8 +548,8 @@ def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, e
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
     keys.index_copy_(2, slots, k)
     values.index_copy_(2, slots, v)
     out = grouped_attention(q, keys, values, mask, scale=head_dim ** -0.5)

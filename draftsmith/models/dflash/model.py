@@ -27,17 +27,9 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from draftsmith.kernels.block_attention import block_attention_mask, training_attention  # noqa: F401 - re-exported
 from draftsmith.models.dflash.config import DflashDrafterConfig
 from draftsmith.models.target import KVCache, attend
+from draftsmith.models.targets.base import apply_rope
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x, cos, sin):
-    return x * cos + _rotate_half(x) * sin
 
 
 class DflashAttention(nn.Module):
@@ -55,14 +47,14 @@ class DflashAttention(nn.Module):
     def query(self, x, cos, sin):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)  # (B, h, T, hd)
-        return _apply_rope(q, cos, sin)
+        return apply_rope(q, cos, sin)
 
     def key_value(self, x, cos, sin):
         """Rotated keys and values (B, kv, T, hd) of x (B, T, H): block tokens, or fused context features."""
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _apply_rope(k, cos, sin), v
+        return apply_rope(k, cos, sin), v
 
 
 class DflashLayer(nn.Module):

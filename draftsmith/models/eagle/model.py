@@ -34,15 +34,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from draftsmith.models.eagle.config import EagleConfig
 from draftsmith.models.target import KVCache, attend
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x, cos, sin):
-    return x * cos + _rotate_half(x) * sin
+from draftsmith.models.targets.base import apply_rope
 
 
 class EagleAttention(nn.Module):
@@ -63,7 +55,7 @@ class EagleAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class EagleLayer(nn.Module):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from draftsmith.models.gemma4_mtp.config import Gemma4MtpConfig
 from draftsmith.models.gemma4_mtp.loss import StepLoss, step_losses
-from draftsmith.models.targets.base import rotate_half
+from draftsmith.models.targets.base import apply_rope
 
 KV = dict[str, tuple[Tensor, Tensor]]  # layer type -> (keys, values), each (B, kv, S, hd), RoPE and norms applied
 
@@ -76,7 +76,7 @@ class Gemma4MtpDrafter(nn.Module):
             residual = x
             h = layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(h).view(batch, num, -1, attn.head_dim))  # (B, T, heads, hd)
-            q = (q * cos + rotate_half(q) * sin).transpose(1, 2)  # (B, heads, T, hd)
+            q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, heads, T, hd)
             keys, values = kv[kind]
             keys, values = keys.to(q.dtype), values.to(q.dtype)
             groups = q.shape[1] // keys.shape[1]
@@ -137,7 +137,7 @@ def target_kv(layer: nn.Module, hidden_in: Tensor, cos: Tensor, sin: Tensor) -> 
     v = attn.v_proj(x).view(batch, num, -1, attn.head_dim) if attn.v_proj is not None else k
     k = attn.k_norm(k)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
+    k = apply_rope(k, cos, sin).transpose(1, 2)
     return k, attn.v_norm(v).transpose(1, 2)
 
 

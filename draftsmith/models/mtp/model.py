@@ -36,6 +36,7 @@ from torch import nn
 
 from draftsmith.models.mtp.config import MtpDrafterConfig
 from draftsmith.models.target import SUPPORTED_STEP_MODEL_TYPES, KVCache, attend
+from draftsmith.models.targets.base import apply_rope
 
 
 class MtpModelError(ValueError):
@@ -218,8 +219,7 @@ def cached_decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, s
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if positions is None:
         start, end = cache.length, cache.length + t
         cache.keys[0, :, :, start:end] = k
@@ -239,9 +239,4 @@ def cached_decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, s
     out = attend(q, keys, values, mask, scale=getattr(attn, "scaling", hd ** -0.5))  # (B, h, T, hd)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
     return x + block.mlp(block.post_attention_layernorm(x))
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 

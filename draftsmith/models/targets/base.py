@@ -123,6 +123,11 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE by halves (Llama's and most families'), cos/sin broadcast over x's heads."""
+    return x * cos + rotate_half(x) * sin
+
+
 def repeat_kv(x: Tensor, groups: int) -> Tensor:
     """(B, kv, S, hd) -> (B, kv*groups, S, hd), each K/V head repeated for its query heads (transformers' order)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.models.targets.base import StepState, rotate_half
+from draftsmith.models.targets.base import StepState, apply_rope
 
 
 class Gemma4Family:
@@ -68,14 +68,14 @@ class Gemma4Family:
         residual = hidden
         x = layer.input_layernorm(hidden)
         q = attn.q_norm(attn.q_proj(x).view(batch, num_new, -1, head_dim))  # (B, T, h, hd)
-        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)  # (B, h, T, hd)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, h, T, hd)
         if attn.is_kv_shared_layer:
             keys, values = state.read_kv_flat(self.cache_index[index], self.kv_heads[index], head_dim)
         else:
             k = attn.k_proj(x).view(batch, num_new, -1, head_dim)  # (B, T, kv, hd)
             v = attn.v_proj(x).view(batch, num_new, -1, head_dim) if attn.v_proj is not None else k
             k = attn.k_norm(k)
-            k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, kv, T, hd)
+            k = apply_rope(k, cos, sin).transpose(1, 2)  # (B, kv, T, hd)
             v = attn.v_norm(v).transpose(1, 2)
             keys, values = state.write_kv_flat(self.cache_index[index], k, v)
         groups = q.shape[1] // keys.shape[1]

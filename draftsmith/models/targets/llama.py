@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.models.targets.base import StepState, rotate_half
+from draftsmith.models.targets.base import StepState, apply_rope
 
 
 class LlamaFamily:
@@ -49,8 +49,7 @@ class LlamaFamily:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = state.write_kv(index, k, v)
         out = attend(q, keys, values, state.masks[self.window], scale=self.head_dim ** -0.5)  # (B, h, T, hd)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
