@@ -65,6 +65,12 @@ CONFIGS: dict[str, list[str]] = {
     "lk": ["training.loss=lk"],
     "keep_outside_vocab": ["training.mask_outside_draft_vocab=false"],
     "adamw_torch_defaults": ["training.adam_betas=[0.9,0.999]", "training.weight_decay=0.01"],
+    # a schedule that holds the rate (speculators' default plans 20 epochs, so ~850 steps run near its peak), on top
+    # of the frozen head; with Muon; with warmup-stable-decay (the last 20% of the steps decay to 0)
+    "fh_constant": ["training.train_draft_head=false", "training.lr_schedule=constant"],
+    "fh_muon_constant": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=constant"],
+    "fh_muon_wsd": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=wsd"],
+    "fh_wsd": ["training.train_draft_head=false", "training.lr_schedule=wsd"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--score-seconds", type=float, default=60,
                    help="kept after training for scoring what was not scored during it (the finals)")
     p.add_argument("--steps", type=int, default=834, help="draftsmith's optimizer steps (speculators: 2 epochs)")
-    p.add_argument("--configs", default="baseline,freeze_head")
+    p.add_argument("--configs", default="baseline,freeze_head",
+                   help="comma-separated CONFIGS names; name@0+1 runs that one at those seeds only")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--max-parallel", type=int, default=0, help="draftsmith runs at a time (0: all at once)")
     p.add_argument("--curve-configs", default="baseline,freeze_head",
@@ -241,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     earlier = [json.loads(f.read_text()) for f in args.merge]  # read first: a bad path fails before any GPU time
     recipe = load_recipe(args.recipe, args.overrides)
     target_path = str(recipe.model.target)
-    configs = [c for c in args.configs.split(",") if c]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    config_seeds = {}  # "name@0+1" runs that config at those seeds only, others at --seeds
+    for item in (c for c in args.configs.split(",") if c):
+        name, _, only = item.partition("@")
+        config_seeds[name] = [int(x) for x in only.split("+")] if only else seeds
+    configs = list(config_seeds)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
     peers = [] if args.skip_speculators else [x for x in args.peers.split(",") if x]
     unknown = [x for x in peers if x not in PEERS]
     if unknown:
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     curve_configs = set(args.curve_configs.split(","))
     runs: list[dict] = []
     for config in configs:
-        for seed in seeds:
+        for seed in config_seeds[config]:
             name = f"{config}_s{seed}"
             out_dir = work / "draftsmith" / name
             cmd = [sys.executable, "-m", "draftsmith.cli", "train", args.recipe, *args.overrides, *CONFIGS[config],
@@ -274,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"training.seed={seed}", f"training.save_every={args.save_every}", "training.keep_checkpoints=50",
                    f"training.eval_every={args.steps}", f"output_dir={out_dir}"]
             runs.append({"name": name, "trainer": "draftsmith", "config": config, "seed": seed,
-                         "curve": config in curve_configs and seed == seeds[0], "planned_steps": args.steps,
+                         "curve": config in curve_configs and seed == config_seeds[config][0],
+                         "planned_steps": args.steps,
                          "dir": str(out_dir), "cmd": shlex.join(cmd[2:]), "argv": cmd, "proc": None})
 
     def start_queued():

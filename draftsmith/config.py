@@ -143,7 +143,10 @@ class TrainingConfig(BaseModel):
     # AdamW's RMS, so one rate serves both).
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float | None = Field(None, gt=0)
-    lr_schedule: Literal["cosine", "linear"] = "cosine"  # decay after warmup, to 0 at the last step
+    # after warmup: cosine or linear decay to 0 at the last step; constant; wsd (warmup-stable-decay) = constant,
+    # then linear decay to 0 over the last lr_decay_ratio of the steps
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    lr_decay_ratio: float = Field(0.2, gt=0, le=1)
     # EAGLE-3: soft_ce = cross-entropy to the target's distribution over the draft vocabulary; lk = the hybrid LK
     # loss (lambda * KL + (1 - lambda) * (1 - sum min(p, q)), lambda = exp(-lk_eta * sg(acceptance)))
     loss: Literal["soft_ce", "lk"] = "soft_ce"

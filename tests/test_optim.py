@@ -26,6 +26,18 @@ def test_fixed_plan_is_warmup_then_cosine_to_zero():
     assert linear.factor(5 + 19) == pytest.approx(1 - 19 / 95)
 
 
+def test_constant_and_wsd_plans_hold_the_rate_and_wsd_decays_at_the_end():
+    constant = fixed_plan(100, 0.05, "constant")
+    assert constant.factor(2) == pytest.approx(0.6) and constant.factor(50) == constant.factor(99) == 1.0
+    wsd = fixed_plan(105, 0.05, "wsd", decay_ratio=0.2)  # 5 warmup steps, then 100: 80 stable, 20 decaying
+    assert wsd.warmup == 5
+    assert wsd.factor(5 + 80) == 1.0
+    assert wsd.factor(5 + 90) == pytest.approx(0.5)
+    assert wsd.factor(105) == pytest.approx(0.0, abs=1e-12)
+    resumed = type(wsd).from_dict(json.loads(json.dumps(wsd.to_dict())))  # the plan a checkpoint keeps
+    assert resumed.factor(5 + 95) == pytest.approx(wsd.factor(5 + 95))
+
+
 def test_budget_plan_fits_steps_and_evaluations_into_the_time_left():
     """61 s left at 0.1 s a step, 3% kept free (59.17 s usable), a 2 s evaluation every 100 steps and one at the
     end: 490 steps end on the step-500 evaluation, 49.0 s plus 5 evaluations = 59.0 s; 491 steps would take
@@ -109,7 +121,7 @@ def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fi
 
     first = next(line for line in lines if line.startswith("time budget 2.0 min:"))
     assert f"{step_ms} over probe steps 2..3" in first  # the probe measured the clock's step time
-    assert f"decay to 0 at step {planned_total(4)}," in first
+    assert f"cosine schedule to step {planned_total(4)}," in first
     replans = [line for line in lines if line.startswith("time budget: re-planned at step")]
     assert len(replans) == 2  # re-fitted twice, each to the same deadline
     replan_steps = [int(line.split("re-planned at step ")[1].split(":")[0]) for line in replans]

@@ -57,13 +57,15 @@ def build_optimizers(drafter: torch.nn.Module, cfg) -> list[torch.optim.Optimize
 
 @dataclass
 class SchedulePlan:
-    """Steps [0, hold) at lr 0 (the time probe), then linear warmup over `warmup` steps, then `shape` decay to 0 at
-    step `total`."""
+    """Steps [0, hold) at lr 0 (the time probe), then linear warmup over `warmup` steps, then the `shape`: cosine or
+    linear decay to 0 at step `total`; constant (no decay); or wsd (warmup-stable-decay): constant, then linear decay
+    to 0 over the last `decay_ratio` of the steps after warmup."""
 
     total: int
     warmup: int
     hold: int = 0
     shape: str = "cosine"
+    decay_ratio: float = 0.2  # wsd only
     note: str = ""
     replan_step: int | None = None  # re-fit `total` here from the steady step time (a time budget's plan)
     replans: int = 0  # re-fits done so far
@@ -75,7 +77,13 @@ class SchedulePlan:
         step -= self.hold
         if step < self.warmup:
             return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.hold - self.warmup))
+        after_warmup = max(1, self.total - self.hold - self.warmup)
+        progress = min(1.0, (step - self.warmup) / after_warmup)
+        if self.shape == "constant":
+            return 1.0
+        if self.shape == "wsd":
+            stable = 1.0 - self.decay_ratio
+            return 1.0 if progress <= stable else max(0.0, (1.0 - progress) / max(self.decay_ratio, 1e-9))
         if self.shape == "linear":
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -96,15 +104,15 @@ def warmup_steps(steps: int, warmup_ratio: float) -> int:
     return max(1, int(steps * warmup_ratio)) if warmup_ratio > 0 else 0
 
 
-def fixed_plan(total: int, warmup_ratio: float, shape: str = "cosine") -> SchedulePlan:
-    """Today's schedule: warmup over `warmup_ratio` of `total` steps, then decay to 0 at `total`."""
-    return SchedulePlan(total=total, warmup=warmup_steps(total, warmup_ratio), shape=shape)
+def fixed_plan(total: int, warmup_ratio: float, shape: str = "cosine", decay_ratio: float = 0.2) -> SchedulePlan:
+    """Today's schedule: warmup over `warmup_ratio` of `total` steps, then the shape's decay (to 0 at `total`)."""
+    return SchedulePlan(total=total, warmup=warmup_steps(total, warmup_ratio), shape=shape, decay_ratio=decay_ratio)
 
 
-def probe_plan(probe_steps: int, max_steps: int | None, shape: str = "cosine") -> SchedulePlan:
+def probe_plan(probe_steps: int, max_steps: int | None, shape: str = "cosine", decay_ratio: float = 0.2) -> SchedulePlan:
     """The plan while a time budget's probe runs: lr 0 until it is replaced by `plan_for_budget`."""
     total = max_steps if max_steps is not None else 10 ** 9
-    return SchedulePlan(total=total, warmup=0, hold=probe_steps, shape=shape, note=PROBING)
+    return SchedulePlan(total=total, warmup=0, hold=probe_steps, shape=shape, note=PROBING, decay_ratio=decay_ratio)
 
 
 MIN_REPLAN_STEPS = 20  # a re-plan times at least this many steady steps
@@ -135,7 +143,7 @@ def steps_that_fit(start: int, step_seconds: float, seconds_left: float, eval_ev
 
 def plan_for_budget(
     probe_steps: int, step_seconds: float, seconds_left: float, warmup_ratio: float, shape: str = "cosine",
-    max_steps: int | None = None, eval_every: int | None = None, eval_seconds: float = 0.0,
+    max_steps: int | None = None, eval_every: int | None = None, eval_seconds: float = 0.0, decay_ratio: float = 0.2,
 ) -> SchedulePlan:
     """The plan once the probe has run: as many steps as fit in `seconds_left` (less a safety margin and the
     evaluations due on the way, the one at the end included) at `step_seconds` each, capped by `max_steps`;
@@ -154,7 +162,7 @@ def plan_for_budget(
             f"{seconds_left:.0f} s left -> {steps} steps"
             + (f" (capped by max_steps {max_steps})" if capped else "")
             + (f", {evals} evaluations of {eval_seconds:.1f} s on the way" if evals else ""))
-    return SchedulePlan(total=total, warmup=warmup, hold=probe_steps, shape=shape, note=note,
+    return SchedulePlan(total=total, warmup=warmup, hold=probe_steps, shape=shape, note=note, decay_ratio=decay_ratio,
                         replan_step=None if capped or replan_step >= total - MIN_REPLAN_STEPS else replan_step)
 
 
@@ -172,5 +180,6 @@ def replan(plan: SchedulePlan, step: int, step_seconds: float, seconds_left: flo
     note = (f"{plan.note}; re-planned at step {step}: {step_seconds * 1000:.1f} ms/step, {seconds_left:.0f} s "
             f"left -> {total - step} more steps")
     return SchedulePlan(total=total, warmup=plan.warmup, hold=plan.hold, shape=plan.shape, note=note,
+                        decay_ratio=plan.decay_ratio,
                         replan_step=following if replans < MAX_REPLANS and following - step >= MIN_REPLAN_STEPS
                         else None, replans=replans)

@@ -73,7 +73,7 @@ SAME_RUN_IGNORED = {"data.cache_dir"}
 # of processes as long as their product (the micro-batch of all processes) stays. The rest may change: when to stop
 # (max_steps, epochs, max_minutes; the schedule stays the checkpoint's), logging, saving, memory and speed knobs.
 SAME_RUN_TRAINING = ("optimizer", "lr", "muon_lr", "adam_betas", "weight_decay", "lr_schedule", "warmup_ratio",
-                     "train_draft_head",
+                     "lr_decay_ratio", "train_draft_head",
                      "time_probe_steps", "seed", "grad_accum_steps", "tokens_per_step", "packing")
 NEARLY_FULL_BYTES = 64 * 2**20  # torch.save reports a full disk as a RuntimeError without errno: this little left
 
@@ -585,9 +585,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum_steps)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     if cfg.max_minutes is not None:  # the probe's plan; replaced once the step time is known
-        plan = probe_plan(cfg.time_probe_steps, total_steps, cfg.lr_schedule)
+        plan = probe_plan(cfg.time_probe_steps, total_steps, cfg.lr_schedule, cfg.lr_decay_ratio)
     else:
-        plan = fixed_plan(total_steps, cfg.warmup_ratio, cfg.lr_schedule)
+        plan = fixed_plan(total_steps, cfg.warmup_ratio, cfg.lr_schedule, cfg.lr_decay_ratio)
     planned = {"plan": plan}  # the schedulers read the current plan through this box
     # not registered with accelerate (it would pickle them): rebuilt from the plan on resume (_schedule_at)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: planned["plan"].factor(step))
@@ -906,8 +906,9 @@ def _plan_the_budget(cfg, probe_times, started, max_steps, method, drafter, eval
         _log_row(accelerator, metrics_path, row)
     seconds_left = cfg.max_minutes * 60 - (time.time() - started)
     plan = plan_for_budget(hold, step_seconds, seconds_left, cfg.warmup_ratio, cfg.lr_schedule,
-                           max_steps=max_steps, eval_every=cfg.eval_every, eval_seconds=eval_seconds)
-    log(f"time budget {cfg.max_minutes} min: {plan.note}; warmup {plan.warmup}, {plan.shape} decay to 0 at step "
+                           max_steps=max_steps, eval_every=cfg.eval_every, eval_seconds=eval_seconds,
+                           decay_ratio=cfg.lr_decay_ratio)
+    log(f"time budget {cfg.max_minutes} min: {plan.note}; warmup {plan.warmup}, {plan.shape} schedule to step "
         f"{plan.total}" + (f", re-planned at step {plan.replan_step}" if plan.replan_step else ""))
     return plan, eval_seconds
 
