@@ -84,7 +84,7 @@ for f in ${MERGE:-}; do MERGE_FLAGS+=(--merge "$f"); done
 timeout $(( BUDGET - SECONDS )) python3 benchmarks/per_token.py --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
   --work "$WORK" --out "$OUT/per_token.json" --answers "$ANSWERS" --deadline-seconds $(( BUDGET - SECONDS - 15 )) \
   --steps "${STEPS:-834}" --configs "${CONFIGS:-baseline,freeze_head}" --seeds "${SEEDS:-0,1}" \
-  --max-parallel "${MAX_PARALLEL:-0}" --curve-configs "${CURVE_CONFIGS:-baseline,freeze_head}" \
+  ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"} --max-parallel "${MAX_PARALLEL:-0}" --curve-configs "${CURVE_CONFIGS:-baseline,freeze_head}" \
   --save-every "${SAVE_EVERY:-139}" --peers "${PEERS:-default_lr}" \
   --spec-save-steps "${SPEC_SAVE_STEPS:-139,278,417,556,695}" --score-seconds "${SCORE_SECONDS:-60}" \
   ${SPEC_FLAGS:+--spec-flags "$SPEC_FLAGS"} ${SKIP_SPEC:-} "${MERGE_FLAGS[@]}" \

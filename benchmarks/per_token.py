@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="baseline,freeze_head",
                    help="comma-separated CONFIGS names; name@0+1 runs that one at those seeds only")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="draftsmith runs under training.max_minutes instead of --steps (an equal-time comparison)")
     p.add_argument("--max-parallel", type=int, default=0, help="draftsmith runs at a time (0: all at once)")
     p.add_argument("--curve-configs", default="baseline,freeze_head",
                    help="draftsmith configs whose first seed is scored at every checkpoint")
@@ -278,15 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     for config in configs:
         for seed in config_seeds[config]:
-            name = f"{config}_s{seed}"
+            timed = args.max_minutes is not None  # a time budget (the issue's equal-time protocol), not a step count
+            name = f"{config}_{args.max_minutes:g}min_s{seed}" if timed else f"{config}_s{seed}"
             out_dir = work / "draftsmith" / name
+            length = (["training.max_steps=null", f"training.max_minutes={args.max_minutes}", "training.eval_every=100000"]
+                      if timed else [f"training.max_steps={args.steps}", "training.max_minutes=null",
+                                     f"training.eval_every={args.steps}"])
             cmd = [sys.executable, "-m", "draftsmith.cli", "train", args.recipe, *args.overrides, *CONFIGS[config],
-                   f"training.max_steps={args.steps}", "training.max_minutes=null", "training.epochs=1000",
-                   f"training.seed={seed}", f"training.save_every={args.save_every}", "training.keep_checkpoints=50",
-                   f"training.eval_every={args.steps}", f"output_dir={out_dir}"]
+                   *length, "training.epochs=1000", f"training.seed={seed}", f"training.save_every={args.save_every}",
+                   "training.keep_checkpoints=50", f"output_dir={out_dir}"]
             runs.append({"name": name, "trainer": "draftsmith", "config": config, "seed": seed,
                          "curve": config in curve_configs and seed == config_seeds[config][0],
-                         "planned_steps": args.steps,
+                         "planned_steps": None if timed else args.steps, "max_minutes": args.max_minutes,
                          "dir": str(out_dir), "cmd": shlex.join(cmd[2:]), "argv": cmd, "proc": None})
 
     def start_queued():
@@ -417,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                   for pt in r["points"]]
         last = points[-1]["step"] if points else None
         # speculators' epochs differ by a step or two (its packing sampler), so its plan is a count, not a promise
-        partial = r["stopped_at_deadline"] or r["exit"] != 0 or (r["trainer"] == "draftsmith"
-                                                                  and last != r["planned_steps"])
+        partial = bool(r["stopped_at_deadline"] or r["exit"] != 0 or (r["trainer"] == "draftsmith" and r["planned_steps"]
+                                                                  and last != r["planned_steps"]))
         result["runs"].append({k: v for k, v in r.items() if k not in RUN_DROP}
                               | {"partial": partial, "last_step": last, "points": points})
     result["seconds"] = round(time.time() - t_start, 1)
