@@ -12,7 +12,9 @@
 # The calls (results and the first attempt in benchmarks/results/per_token_h200/README.md):
 #   call 1 (defaults): baseline and freeze_head (speculators' frozen head) at seeds 0 and 1, speculators default_lr
 #     DRAFTSMITH_FLEX_ATTENTION=0 OUT=$OUT BUDGET=570 bash benchmarks/gpu_per_token.sh          (timeout_s 600)
-#   call 2: CONFIGS=muon,decay_1.0 PEERS=decay_to_0 MERGE=benchmarks/results/per_token_h200/per_token.json ...
+#   call 2: CONFIGS=fh_constant,fh_muon_constant,fh_muon_wsd SKIP_SPEC=--skip-speculators MERGE=<call 1's JSON> ...
+#   call 3 (equal time, one run alone): CONFIGS=fh_muon_wsd SEEDS=0 MAX_MINUTES=3.1 MAX_PARALLEL=1 ... BUDGET=380
+#   (the README there lists each call's exact command; further ablations: more CONFIGS, MERGE the last JSON)
 #   (speculators_like and packing train at half the speed of the others: one of them costs about two runs)
 #
 # Timing budget of call 1 (BUDGET=570 inside a 600 s call; the GPU is time-shared, so the number of runs decides):

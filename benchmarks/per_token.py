@@ -472,7 +472,7 @@ def summarize(runs: list[dict]) -> dict:
     for r in runs:
         scored = [pt for pt in r["points"] if tau5(pt) is not None]
         final = scored[-1] if scored else {}
-        key = f"{r['trainer']}:{r['config']}"
+        key = f"{r['trainer']}:{r['config']}" + (f"@{r['max_minutes']:g}min" if r.get("max_minutes") else "")
         entry = by_config.setdefault(key, {"seeds": {}, "steps": {}, "tokens": {}})
         # stopped short of its plan, or its last checkpoint not scored in time (then an earlier one stands in)
         partial = bool(r.get("partial", r.get("stopped_at_deadline"))) or (bool(scored)
