@@ -25,7 +25,7 @@ class Eagle3Method:
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab,
                                  chunk_size=training.loss_chunk_size, loss_grad=training.loss_grad,
                                  loss_kernel=resolve_loss_kernel(training.loss_kernel, target.device,
-                                                                 training.loss_grad))
+                                                                 training.loss_grad, self.name))
         self.query_block = training.ttt_query_block
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps
