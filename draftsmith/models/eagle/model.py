@@ -33,29 +33,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.models.eagle.config import EagleConfig
+from draftsmith.models.draft_attention import DraftAttention
 from draftsmith.models.target import KVCache, attend
-from draftsmith.models.targets.base import apply_rope
-
-
-class EagleAttention(nn.Module):
-    def __init__(self, config: EagleConfig):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
-
-    def qkv(self, x, cos, sin):
-        """Rotated queries (B, h, S, hd) and keys (B, kv, S, hd), values (B, kv, S, hd)."""
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class EagleLayer(nn.Module):
@@ -63,7 +42,7 @@ class EagleLayer(nn.Module):
 
     def __init__(self, config: EagleConfig):
         super().__init__()
-        self.self_attn = EagleAttention(config)
+        self.self_attn = DraftAttention(config, config.hidden_size)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config.llama_config())
 

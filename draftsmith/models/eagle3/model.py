@@ -29,29 +29,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from draftsmith.kernels.ttt_attention import unroll_attention
 from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.draft_attention import DraftAttention
 from draftsmith.models.target import KVCache, attend
-from draftsmith.models.targets.base import apply_rope
-
-
-class Eagle3Attention(nn.Module):
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        width = 2 * config.hidden_size  # cat(embedding, hidden)
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-
-    def qkv(self, x, cos, sin):
-        """Rotated queries (B, h, S, hd) and keys (B, kv, S, hd), values (B, kv, S, hd)."""
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class Eagle3Layer(nn.Module):
@@ -63,7 +42,7 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = DraftAttention(config, 2 * config.hidden_size)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
 
