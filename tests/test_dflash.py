@@ -116,20 +116,24 @@ def test_recipe_section_checks():
 
 
 # ---- the block mask ----------------------------------------------------------------------------------------------
+# Context of 5 positions, blocks of 3 at anchors 2 and 4, plus a padding block (anchor 0): who sees whom
+# (tests/test_dflash_flex.py holds the FlexAttention mask to the same grid)
+#                  context 0..4 | block 0 | block 1 | block 2
+BLOCK_MASK_GRID = [[1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],  # block 0 (anchor 2): context < 2, its own slots
+                   [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
+                   [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
+                   [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],  # block 1 (anchor 4): context < 4
+                   [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
+                   [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
+                   [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],  # padding: only itself, so no NaN
+                   [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],
+                   [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1]]
+
+
 def test_block_mask_literal_grid():
     """Context of 5 positions, blocks of 3 at anchors 2 and 4, plus a padding block (anchor 0)."""
     got = block_attention_mask(torch.tensor([[2, 4, 0]]), context_length=5, block_size=3)[0].int()
-    #           context 0..4 | block 0 | block 1 | block 2
-    want = [[1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],  # block 0 (anchor 2): context < 2, its own slots
-            [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
-            [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
-            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],  # block 1 (anchor 4): context < 4
-            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
-            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
-            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],  # padding: only itself, so no NaN
-            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],
-            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1]]
-    assert got.tolist() == want
+    assert got.tolist() == BLOCK_MASK_GRID
 
 
 @pytest.mark.parametrize("learned_mask, target_cls", [(True, LlamaConfig), (False, Qwen3Config)])

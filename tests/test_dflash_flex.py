@@ -24,6 +24,7 @@ from draftsmith.kernels.block_attention import (
     flex_block_mask,
 )
 from draftsmith.models.dflash.loss import sample_anchors
+from test_dflash import BLOCK_MASK_GRID
 from test_ttt_flex import compiles, relative_error, values_and_grads  # noqa: F401 - compiles is a fixture
 
 # eager FlexAttention on the CPU says it materializes the scores: the CPU tests mean it to
@@ -80,17 +81,7 @@ def test_the_mask_mod_written_as_a_grid():
     """Context of 5 positions, blocks of 3 at anchors 2 and 4, plus a padding block (anchor 0): the grid of
     tests/test_dflash.py's dense mask, from the mask_mod."""
     got = flex.create_mask(block_mask_mod(torch.tensor([[2, 4, 0]]), 5, 3), 1, 1, 9, 14, "cpu")[0, 0].int()
-    #           context 0..4 | block 0 | block 1 | block 2
-    want = [[1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],  # block 0 (anchor 2): context < 2, its own slots
-            [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
-            [1, 1, 0, 0, 0,   1, 1, 1,  0, 0, 0,  0, 0, 0],
-            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],  # block 1 (anchor 4): context < 4
-            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
-            [1, 1, 1, 1, 0,   0, 0, 0,  1, 1, 1,  0, 0, 0],
-            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],  # padding: only itself, so no NaN
-            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1],
-            [0, 0, 0, 0, 0,   0, 0, 0,  0, 0, 0,  1, 1, 1]]
-    assert got.tolist() == want
+    assert got.tolist() == BLOCK_MASK_GRID
 
 
 @pytest.mark.parametrize("b, s, n, bk", [(3, 37, 5, 4), (2, 200, 20, 7), (3, 130, 16, 16), (2, 300, 9, 16),

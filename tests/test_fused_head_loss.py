@@ -219,19 +219,10 @@ def test_eagle3_fused_loss_equals_the_reference(kind, norm_output, train_head, l
 def test_eagle3_fused_loss_under_bf16_autocast():
     """Under CPU bf16 autocast (the head's product in bf16, as training runs it on a GPU), within bf16 tolerance of
     the plain-torch chunks."""
-    from test_ttt_memory import teacher_targets, tiny_drafter, ttt_batch
+    from test_ttt_memory import bf16_loss_and_grads
 
-    drafter = tiny_drafter(norm_before_fc=True, norm_output=False)
-    aux, embeds, last_hidden, head, loss_mask = ttt_batch()
-    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
-    results = {}
-    for backend in ("reference", "fused"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = drafter(aux, embeds, 3, loss_targets=dict(
-                teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=16,
-                loss_kernel=backend))
-        results[backend] = loss.detach(), torch.autograd.grad(loss, list(drafter.parameters()))
-    (want, want_grads), (got, got_grads) = results["reference"], results["fused"]
+    want, want_grads = bf16_loss_and_grads(chunk_size=16, loss_kernel="reference")
+    got, got_grads = bf16_loss_and_grads(chunk_size=16, loss_kernel="fused")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     for a, b in zip(got_grads, want_grads):
         assert (a - b).norm() <= 5e-2 * b.norm() + 1e-6

@@ -345,21 +345,25 @@ def test_the_loss_chunk_key_reaches_every_method(fixture_target_dir, monkeypatch
         assert seen == {"mtp": (chunk, keys), "dflash": (chunk, keys)}
 
 
+def bf16_loss_and_grads(chunk_size, **loss_keys):
+    """The 3-step TTT loss of a fresh tiny drafter (norm_before_fc, no norm_output) on ttt_batch() under CPU bf16
+    autocast, the way GPUs train, and its gradient for every parameter; `loss_keys` pick the loss's path."""
+    drafter = tiny_drafter(norm_before_fc=True, norm_output=False)
+    aux, embeds, last_hidden, head, loss_mask = ttt_batch()
+    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = drafter(aux, embeds, 3, loss_targets=dict(
+            teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=chunk_size,
+            **loss_keys))
+    return loss.detach(), torch.autograd.grad(loss, list(drafter.parameters()))
+
+
 def test_the_gradient_taken_in_the_forward_pass_under_bf16_autocast():
     """Mixed precision (what GPUs train with): the chunk's head product runs in bf16 inside the forward pass as it
     does in the recomputed backward, so both ways agree within bf16 tolerance, and every parameter's gradient
     keeps its float32 dtype."""
-    drafter = tiny_drafter(norm_before_fc=True, norm_output=False)
-    aux, embeds, last_hidden, head, loss_mask = ttt_batch()
-    teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
-    results = {}
-    for loss_grad in ("recompute", "in_forward"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = drafter(aux, embeds, 3, loss_targets=dict(
-                teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=11,
-                loss_grad=loss_grad))
-        results[loss_grad] = loss, torch.autograd.grad(loss, list(drafter.parameters()))
-    (want, want_grads), (got, got_grads) = results["recompute"], results["in_forward"]
+    want, want_grads = bf16_loss_and_grads(chunk_size=11, loss_grad="recompute")
+    got, got_grads = bf16_loss_and_grads(chunk_size=11, loss_grad="in_forward")
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     for a, b in zip(got_grads, want_grads):
         assert a.dtype == b.dtype == torch.float32
