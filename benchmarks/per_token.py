@@ -52,6 +52,7 @@ sys.path.insert(0, str(HERE))
 # same gradient); 8,192 real tokens packed per step (train/data.py CollateFn); AdamW betas (0.9, 0.999) and weight
 # decay 0.01, Muon weight decay 0.1 (train/config/schema.py OptimizerArgs). Its data has one row per assistant turn
 # of a conversation where draftsmith has one sample per conversation with every assistant turn under the loss.
+FH_MUON_WSD = ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=wsd"]
 CONFIGS: dict[str, list[str]] = {
     "baseline": [],
     "freeze_head": ["training.train_draft_head=false"],
@@ -69,8 +70,18 @@ CONFIGS: dict[str, list[str]] = {
     # of the frozen head; with Muon; with warmup-stable-decay (the last 20% of the steps decay to 0)
     "fh_constant": ["training.train_draft_head=false", "training.lr_schedule=constant"],
     "fh_muon_constant": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=constant"],
-    "fh_muon_wsd": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=wsd"],
+    "fh_muon_wsd": FH_MUON_WSD,
     "fh_wsd": ["training.train_draft_head=false", "training.lr_schedule=wsd"],
+    # one change at a time against the shipped winner (fh_muon_wsd = recipes/eagle3_fixture.yaml's training keys):
+    # the peer's flat TTT weighting, the LK loss, 8,192 real (packed) tokens a step in place of 8,192 padded ones
+    "fhmw_decay_1.0": [*FH_MUON_WSD, "training.ttt_decay=1.0"],
+    "fhmw_lk": [*FH_MUON_WSD, "training.loss=lk"],
+    "fhmw_packing": [*FH_MUON_WSD, "training.packing=true"],
+    "fhmw_muon_lr2e-3": [*FH_MUON_WSD, "training.lr=2e-3"],
+    # the shipped winner with issue 28's kernels forced (FlexAttention TTT attention, fused Triton head loss; what
+    # auto takes on a GPU unless DRAFTSMITH_FLEX_ATTENTION=0, which gpu_per_token.sh sets by default): for the
+    # equal-time reading, where the step's speed counts
+    "fhmw_kernels": [*FH_MUON_WSD, "training.ttt_attention=flex", "training.loss_kernel=fused"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",

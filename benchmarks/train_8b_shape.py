@@ -17,8 +17,8 @@ training.loss_kernel=fused, the head losses' Triton kernel (each run records its
 is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward
 pass). `dflash` runs DflashMethod.loss,
 `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with training.block_attention
-(default: the reference; each run records its kernel in `block_attention`); `mtp` MtpMethod.loss (one new module,
-mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
+(default: auto, as the recipes; each run records its kernel in `block_attention`); `mtp` MtpMethod.loss (one new
+module, mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
 --warmup untimed; a run that runs out of memory or fails is recorded as such and the next one starts. MFU is
 counted with train/flops.py against the bf16 matrix rate measured in the same process (a large matmul) and against
 790 TFLOP/s (the H200 figure the issue measured).

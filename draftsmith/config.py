@@ -174,10 +174,10 @@ class TrainingConfig(BaseModel):
     loss_kernel: Literal["auto", "fused", "reference"] = "auto"
     # DFlash's and DSpark's block attention kernel (kernels/block_attention.py), the same choices: reference = SDPA
     # with a dense (B, N*B_k, S + N*B_k) mask; flex = FlexAttention over a block mask built from the anchors (only
-    # the tiles a block sees are computed); auto = flex where ttt_attention's auto takes it. The default stays
-    # reference on every device until flex is measured on a GPU (issue 28; benchmarks/gpu_kernels.sh). A key of
-    # its own rather than ttt_attention's: the two kernels are measured, and so defaulted, separately.
-    block_attention: Literal["auto", "flex", "reference"] = "reference"
+    # the tiles a block sees are computed); auto = flex where ttt_attention's auto takes it (CUDA and ROCm: 1.32x the
+    # tokens/s of the reference at 0.94x its memory, DFlash on the 8B shape at 16 x 2048; benchmarks/results/
+    # kernels_h200, call 4). A key of its own rather than ttt_attention's: the two kernels are measured separately.
+    block_attention: Literal["auto", "flex", "reference"] = "auto"
     # Memory: the reference TTT attention computes this many queries at a time and recomputes them in the backward
     # pass (no S x S scores are kept; shorter sequences take one block; FlexAttention needs no blocks), and every
     # method's loss reads the head's logits this many positions at a time (no step's (B, S, V) logits are kept).

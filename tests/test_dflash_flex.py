@@ -160,9 +160,9 @@ def recipe(target_dir, method, **training):
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_the_training_key_reaches_the_drafter(method, fixture_target_dir, monkeypatch):
-    """training.block_attention: reference by default even where FlexAttention runs (not yet measured on a GPU);
-    auto takes it there, the reference on the CPU; flex is refused where it cannot run. ttt_attention's auto leaves
-    it alone."""
+    """training.block_attention: auto by default, which takes FlexAttention where it runs and the reference on the
+    CPU; flex is refused where it cannot run, reference keeps the reference anywhere; ttt_attention does not
+    reach it."""
     from draftsmith.models.target import TargetModel
     from draftsmith.train.trainer import method_class
 
@@ -177,8 +177,9 @@ def test_the_training_key_reaches_the_drafter(method, fixture_target_dir, monkey
     with pytest.raises(ValueError, match="block_attention=flex needs a CUDA or ROCm GPU.*block_attention=auto"):
         drafter_attention(block_attention="flex")
     monkeypatch.setattr(dev, "compiled_flex_attention", lambda device: True)  # as on CUDA with Triton
-    assert drafter_attention() == drafter_attention(ttt_attention="flex") == "reference"
-    assert drafter_attention(block_attention="auto") == "flex" == drafter_attention(block_attention="flex")
+    assert drafter_attention() == drafter_attention(block_attention="flex") == "flex"
+    assert drafter_attention(block_attention="reference") == "reference"
+    assert drafter_attention(block_attention="reference", ttt_attention="flex") == "reference"
 
 
 # ---- the training step: loss and every gradient ----------------------------------------------------------------

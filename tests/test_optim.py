@@ -126,7 +126,7 @@ def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fi
     assert len(replans) == 2  # re-fitted twice, each to the same deadline
     replan_steps = [int(line.split("re-planned at step ")[1].split(":")[0]) for line in replans]
     for line, step in zip(replans, replan_steps):
-        assert line.endswith(f": {step_ms}, decay to 0 at step {planned_total(step)}"), line
+        assert line.endswith(f": {step_ms}, cosine schedule to step {planned_total(step)}"), line
 
     run = tmp_path / "run"
     state = json.loads((run / (run / "latest").read_text().strip() / "trainer_state.json").read_text())

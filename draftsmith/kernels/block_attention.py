@@ -12,12 +12,13 @@ slots; no other block. A padding block (anchor 0) sees only itself, which keeps 
 Two implementations of that one rule, chosen once per run by kernels/ttt_attention.resolve_backend from
 training.block_attention, then built once per training step and shared by every layer (`training_attention`):
 
-* "reference" (NPU and CPU, and every device until FlexAttention is measured on a GPU: issue 28):
+* "reference" (NPU and CPU, or where training.block_attention asks for it):
   `block_attention_mask`, a dense (B, N*B_k, S + N*B_k) boolean mask, into SDPA (models/targets/llama.attend).
   SDPA computes every score of the mask, seen or not: S + N*B_k keys a query (10,240 at 512 anchors x 16 slots
   over 2,048 tokens).
-* "flex" (CUDA and ROCm): the rule as FlexAttention's `mask_mod` (`block_mask_mod`), turned into a block mask by
-  create_block_mask compiled (no (B, Q, K) tensor is made), and the compiled kernel, which skips every 128 x 128
+* "flex" (CUDA and ROCm, where the default auto takes it): the rule as FlexAttention's `mask_mod`
+  (`block_mask_mod`), turned into a block mask by create_block_mask compiled (no (B, Q, K) tensor is made), and
+  the compiled kernel, which skips every 128 x 128
   tile no query of it sees: other blocks' slots and the context past a tile's anchors (sample_anchors sorts them,
   so a tile's blocks lie close together).
 """

@@ -704,8 +704,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                     planned["plan"] = replan(plan, step, steady, cfg.max_minutes * 60 - (time.time() - started),
                                              total_steps, cfg.eval_every, eval_seconds)
                     eval_spent = 0.0
-                    log(f"time budget: re-planned at step {step}: {steady * 1000:.1f} ms/step, decay to 0 at step "
-                        f"{planned['plan'].total}")
+                    new = planned["plan"]
+                    log(f"time budget: re-planned at step {step}: {steady * 1000:.1f} ms/step, {new.shape} schedule "
+                        f"to step {new.total}")
                 if planned["plan"] is not plan:
                     state["plan"] = planned["plan"].to_dict()
                     progress.total = planned["plan"].total
