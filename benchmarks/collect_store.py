@@ -8,9 +8,10 @@ For the fixture target of the recipe, and (unless --no-8b) a Llama-3.1-8B-shaped
 built from config (no download) over the first --shape-tokens tokens of the same samples:
 
 - forward only: `target.capture` over the batches `collect` plans (collect.batch_tokens padded tokens, longest
-  first), states left on the device, nothing written;
+  first), states left on the device, nothing written; timed on a second pass (the first pays first-use costs);
 - collection: the same batches through `collect_rank` and `write_index`, the code `draftsmith collect` runs once
   its target is loaded (device-to-host copies, safetensors shards written in the background, checksums, index);
+  also its rate without the final flush, which a long collection pays once;
 - bytes per token: the store's shard bytes over its tokens, against (n_aux + 1) * H * itemsize (what the issue
   calls theoretical) and against draftsmith's own count (+ int32 token id, int8 loss mask, FP8 scales);
 - training (fixture only, --train-minutes each, time-budgeted): online, from the bf16 store and from the FP8
