@@ -39,21 +39,24 @@ def main(argv: list[str]) -> int:
             label = name + (" (partial)" if partial.get(name) else "")
             ax.plot([p["tokens"] / 1e6 for p in curve], [p["tau_k5"] for p in curve], marker="o", label=label,
                     linestyle="--" if partial.get(name) else "-")
-    for run in result["runs"]:
-        if not run["curve"] and scored(run):
-            final = scored(run)[-1]
-            hollow = partial.get(run["name"])
-            ax.scatter(final["tokens"] / 1e6, final["tau"]["5"], marker="o" if hollow else "x",
-                       facecolors="none" if hollow else None, edgecolors="black" if hollow else None)
-            ax.annotate(run["name"] + (f" (partial, step {final['step']})" if hollow else ""),
-                        (final["tokens"] / 1e6, final["tau"]["5"]), fontsize=6)
+    ends = [run for run in result["runs"] if not run["curve"] and scored(run)]
+    colors = plt.get_cmap("tab20")
+    for n, run in enumerate(ends):
+        final = scored(run)[-1]
+        hollow = partial.get(run["name"])
+        color = colors(n % 20)
+        # in the legend, not written beside the point: end points of one budget sit on top of each other
+        style = (dict(marker="o", facecolors="none", edgecolors=color) if hollow
+                 else dict(marker="x+^sv"[n // 20 % 5], color=color))  # tab20's colours, then the next marker
+        ax.scatter(final["tokens"] / 1e6, final["tau"]["5"], **style,
+                   label=run["name"] + (f" (partial, step {final['step']})" if hollow else ""))
     calls = len(result.get("calls") or [result])
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("mean acceptance length, k=5, T=0")
     ax.set_title(f"EAGLE-3 on the fixture target: draftsmith vs speculators ({result['hardware']}, "
                  f"{calls} call{'s' if calls > 1 else ''})", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=120, bbox_inches="tight")
     print(out)
