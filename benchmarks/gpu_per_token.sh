@@ -39,7 +39,8 @@
 #   .gpu/question.jsonl            the 80 MT-bench questions
 #   .whl/                          speculators 0.9.0 and what it needs that the machine lacks: datasets 5.1.0 (4.4.1
 #                                  imports torchvision.io.VideoReader, gone from the machine's torchvision 0.26),
-#                                  dill, multiprocess, hs-connectors, loguru, openai, pydantic-settings, ...
+#                                  dill, multiprocess, hs-connectors, loguru, openai<3 (3.x imports httpx2, which
+#                                  the machine lacks; 2.54.0 takes its httpx), pydantic-settings, ...
 # Writes into $OUT (default benchmarks/results/local): per_token.json, run.log, gpu.txt, logs.tar.xz.
 # Make the PNG here afterwards: python benchmarks/plot_per_token.py OUT/per_token.json
 set -uo pipefail
