@@ -140,6 +140,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
                      batch_tokens=batch_tokens, log=lambda *a: None)
         index = write_index(folder, header, len(samples), 1)
         collect_s = time.perf_counter() - start
+    before_flush_s = collect_s - timing["final_flush_seconds"]
     hidden = target.config.hidden_size
     theory = (len(aux_ids) + 1) * hidden * getattr(torch, dtype).itemsize
     row = {"target": name, "dtype": dtype, "writer": writer, "samples": len(samples), "tokens": tokens,
@@ -152,7 +153,8 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
            "final_flush_seconds": round(timing["final_flush_seconds"], 3),
            # the rate a long collection approaches: the final flush (the last shard written and checksummed after
            # the last forward) is paid once, and is a large share of a short measurement
-           "collect_tokens_per_s_without_final_flush": round(tokens / (collect_s - timing["final_flush_seconds"])),
+           "collect_tokens_per_s_without_final_flush": round(tokens / before_flush_s),
+           "collect_without_final_flush_over_forward_only": round(forward_s / before_flush_s, 3),
            "store_bytes": index["bytes"], "shards": len(index["shards"]),
            "bytes_per_token": round(index["bytes"] / tokens, 2), "theoretical_bytes_per_token": theory,
            "store_over_theoretical": round(index["bytes"] / (tokens * theory), 4)}
@@ -160,7 +162,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
           f"{row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
           f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x), final flush "
           f"{row['final_flush_seconds']:.1f} s (without it {row['collect_tokens_per_s_without_final_flush']:,} tok/s, "
-          f"{forward_s / (collect_s - timing['final_flush_seconds']):.2f}x)", flush=True)
+          f"{row['collect_without_final_flush_over_forward_only']:.2f}x)", flush=True)
     return row
 
 
