@@ -24,6 +24,9 @@
 #   OUT=$OUT FUSED_LOSS=1 BUDGET=570 bash benchmarks/gpu_kernels.sh   # the head losses' Triton kernel: its GPU
 #     tests (tests/test_fused_head_loss_gpu.py), then EAGLE-3 (FlexAttention) at 16 x 2048 and 4 x 8192 and DFlash
 #     (+ckpt) at 16 x 2048, each with and without +fusedloss side by side (gpu_kernels.json: fused_loss_vs_reference)
+#   OUT=$OUT PROFILE=1 bash benchmarks/gpu_kernels.sh   # and after each run's timed steps one more step under the
+#     torch profiler (not in its figures): $OUT/profile/profile_<run>.txt, the top 30 by self device time, and the
+#     run's profile_top in train_8b_shape.json (its top 12 kernels, self ms, share of the step's device time, calls)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
@@ -52,13 +55,19 @@ timeout "${TEST_SECONDS:-170}" "$PYTHON" -m pytest -v -p no:cacheprovider -m gpu
   | grep -v "Warning\|warn(" | tail -60 | tee "$OUT/gpu_tests.log"  # -v: each result as it comes, kept if cut short
 echo "gpu tests: $(( SECONDS - start )) s" | tee -a "$OUT/gpu_tests.log"
 
+PROFILE_DIR=""
+if [ "${PROFILE:-}" = 1 ]; then  # one more step of each run under the torch profiler
+  PROFILE_DIR="$OUT/profile"
+  mkdir -p "$PROFILE_DIR"
+fi
 start=$SECONDS
 timeout "$(( $(left) - 15 ))" "$PYTHON" benchmarks/train_8b_shape.py --out "$OUT/train_8b_shape.json" --runs "$RUNS" \
-  --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" ${TINY:+--tiny} 2>&1 | grep -v "Warning\|warn(" \
+  --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" ${TINY:+--tiny} ${PROFILE_DIR:+--profile "$PROFILE_DIR"} 2>&1 \
+  | grep -v "Warning\|warn(" \
   | tee "$OUT/train_8b_shape.log" | tail -30
 echo "train_8b_shape: $(( SECONDS - start )) s" | tee -a "$OUT/train_8b_shape.log"
 
 COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }${FUSED_LOSS:+FUSED_LOSS=1 }"\
-"bash benchmarks/gpu_kernels.sh" \
+"${PROFILE_DIR:+PROFILE=1 }bash benchmarks/gpu_kernels.sh" \
   "$PYTHON" benchmarks/kernels_summary.py "$OUT"
 ls -la "$OUT"

@@ -21,7 +21,9 @@ pass). `dflash` runs DflashMethod.loss,
 module, mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
 --warmup untimed; a run that runs out of memory or fails is recorded as such and the next one starts. MFU is
 counted with train/flops.py against the bf16 matrix rate measured in the same process (a large matmul) and against
-790 TFLOP/s (the H200 figure the issue measured).
+790 TFLOP/s (the H200 figure the issue measured). `--profile DIR` runs one more step after each run's timed ones
+(outside its figures) under torch.profiler: DIR/profile_<run>.txt, its key_averages table by self device time, and
+the row's `profile_top`, the top 12 kernels by self device time (CPU: self CPU time) with their shares.
 Random weights and tokens make the losses meaningless but not the timing or the memory.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import shlex
 import sys
 import time
@@ -163,6 +166,59 @@ def forward_only(target: TargetModel, batch, aux_layer_ids, device, repeat: int)
     return repeat * batch["input_ids"].numel() / (time.perf_counter() - start)
 
 
+def _time_attr(event, *names) -> float:
+    """The first of these time attributes the profiler's event has (names differ across torch versions), in us."""
+    for name in names:
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def profile_step(train_step, text: str, device, folder: Path, result: dict) -> None:
+    """One more training step under torch.profiler: DIR/profile_<run>.txt (key_averages sorted by self device
+    time, self CPU time on CPU) and result["profile_top"], the top 12 events by that time (on an accelerator its
+    kernels: the events that ran on the device, as the table's Self CUDA % counts them). A failure is recorded
+    in result["profile_error"], the run's figures kept."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        accelerator = {"cuda": "CUDA", "xpu": "XPU"}.get(device.type)
+        activities = [ProfilerActivity.CPU]
+        if accelerator and hasattr(ProfilerActivity, accelerator):
+            activities.append(getattr(ProfilerActivity, accelerator))
+        on_device = len(activities) > 1
+        with profile(activities=activities, record_shapes=False, with_stack=False) as prof:
+            loss = train_step()
+        del loss
+        events = prof.key_averages()
+        if on_device:
+            names = ("self_device_time_total", "self_cuda_time_total")  # torch >= 2.4, before
+            sort_by = next((n for n in names if events and hasattr(events[0], n)), names[0])
+            ranked = [e for e in events if getattr(e, "device_type", None) != DeviceType.CPU
+                      and not getattr(e, "is_user_annotation", False)]  # the kernels (and copies) themselves
+        else:
+            names, sort_by, ranked = ("self_cpu_time_total",), "self_cpu_time_total", list(events)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"profile_{re.sub(r'[^A-Za-z0-9.+-]+', '_', text)}.txt"
+        path.write_text(f"{text}: one training step, sorted by {sort_by}\n"
+                        + events.table(sort_by=sort_by, row_limit=30, max_name_column_width=120) + "\n")
+        total = sum(_time_attr(e, *names) for e in ranked)
+        top = sorted(ranked, key=lambda e: _time_attr(e, *names), reverse=True)[:12]
+        result["profile_table"] = str(path)
+        result["profile_top"] = [{"name": e.key[:120], "self_ms": round(_time_attr(e, *names) / 1e3, 3),
+                                  "share": round(_time_attr(e, *names) / total, 3) if total else None,
+                                  "calls": e.count} for e in top]
+        for entry in result["profile_top"][:5]:
+            print(f"  {text} profile: {entry['self_ms']:9.3f} ms {entry['share'] or 0:6.1%} "
+                  f"x{entry['calls']:<5} {entry['name'][:80]}", flush=True)
+    except Exception as e:  # noqa: BLE001 - the profile is extra: the run's figures stand without it
+        message = str(e).splitlines()[0][:300] if str(e) else ""
+        result["profile_error"] = f"{type(e).__name__}: {message}"
+        print(f"  {text} profile failed: {result['profile_error']}", flush=True)
+
+
 def one_run(target, text, args, device, measured_peak) -> dict:
     name, reference, flags, seq, batch_size = parse_run(text)
     result = {"run": text, "method": name, "path": "reference" if reference else "trainer",
@@ -182,9 +238,8 @@ def one_run(target, text, args, device, measured_peak) -> dict:
         result.update(chosen_kernels(method, drafter, reference, seq, batch_size, args))
         optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=None)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type != "cpu")
-        times = []
-        for step in range(args.steps):
-            start = time.perf_counter()
+
+        def train_step():
             with autocast:
                 loss, _ = reference_loss(method, drafter, batch) if reference else method.loss(drafter, batch)
             loss.backward()
@@ -192,6 +247,12 @@ def one_run(target, text, args, device, measured_peak) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             dev.synchronize(device)
+            return loss
+
+        times = []
+        for step in range(args.steps):
+            start = time.perf_counter()
+            loss = train_step()
             times.append(time.perf_counter() - start)
             print(f"  {text} step {step}: {times[-1]:.3f} s, loss {float(loss):.3f}", flush=True)
         timed = times[args.warmup:]
@@ -199,6 +260,9 @@ def one_run(target, text, args, device, measured_peak) -> dict:
         result.update(tokens_per_s=tokens_per_s, step_seconds=sum(timed) / len(timed),
                       peak_memory_gib=dev.max_memory_allocated(device) / 2**30)
         del loss
+        if args.profile:  # one more step, after the figures above are measured
+            profile_step(train_step, text, device, Path(args.profile), result)
+            drafter.zero_grad(set_to_none=True)  # a step that failed part way leaves no gradients behind
         optimizer = None
         gc.collect()
         dev.empty_cache(device)
@@ -244,6 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="after each run's timed steps, one more step under torch.profiler: DIR/profile_<run>.txt "
+                        "and the run's profile_top (its top 12 kernels by self device time)")
     args = p.parse_args(argv)
     device = dev.get_device()
     shape = TINY if args.tiny else LLAMA_31_8B
