@@ -82,6 +82,10 @@ CONFIGS: dict[str, list[str]] = {
     # auto takes on a GPU unless DRAFTSMITH_FLEX_ATTENTION=0, which gpu_per_token.sh sets by default): for the
     # equal-time reading, where the step's speed counts
     "fhmw_kernels": [*FH_MUON_WSD, "training.ttt_attention=flex", "training.loss_kernel=fused"],
+    # the same with AdamW in place of Muon (fh_wsd + the kernels): Muon's orthogonalisation costs ~14% of the step,
+    # which counts at equal time
+    "fhw_kernels": ["training.train_draft_head=false", "training.lr_schedule=wsd", "training.ttt_attention=flex",
+                    "training.loss_kernel=fused"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",

@@ -350,10 +350,10 @@ def test_the_writer_lands_each_batch_whole_and_names_a_non_finite_sample(tmp_pat
             items.append((i, aux, last, [i] * 3, [1, 1, 0]))
         return items
 
-    writer = ShardWriter(tmp_path / "ok", 0, {"t": 1}, "float32", 100, "a test")  # 51 bytes a sample
+    writer = ShardWriter(tmp_path / "ok", 0, {"t": 1}, "float32", 100, "a test")  # 159 bytes a sample
     writer.add_batch(batch([0, 1, 2]))
     assert writer.done == {0, 1, 2} and not writer._pending  # queued, not landed
-    writer.add_batch(batch([3]))  # lands 0..2 (153 bytes): the shard closes with exactly that batch
+    writer.add_batch(batch([3]))  # lands 0..2 (477 bytes): the shard closes with exactly that batch
     writer.flush()
     shards = [s["samples"] for s in writer.progress["shards"]]
     assert [[i for i, _, _ in s] for s in shards] == [[0, 1, 2], [3]]
@@ -361,6 +361,18 @@ def test_the_writer_lands_each_batch_whole_and_names_a_non_finite_sample(tmp_pat
     assert torch.equal(tensors["2.aux"], torch.full((3, 8), 2.0))
     assert torch.equal(tensors["1.last"], torch.full((3, 4), -1.0))
     assert tensors["0.input_ids"].dtype == torch.int32 and tensors["0.loss_mask"].tolist() == [1, 1, 0]
+
+    # with the tokens still to come: shards close at an eighth of max_shard_bytes (125 here) once less than a
+    # shard's worth (1,000) is left after a batch, so the final flush writes one batch, not a whole shard
+    def shards_of(folder, tokens_after):
+        w = ShardWriter(tmp_path / folder, 0, {"t": 1}, "float32", 1000, "a test")  # 159 bytes a sample
+        for ids, after in zip([[0, 1, 2], [3, 4], [5, 6], [7, 8, 9]], tokens_after):
+            w.add_batch(batch(ids), after)
+        w.flush()
+        return [[i for i, _, _ in s["samples"]] for s in w.progress["shards"]]
+
+    assert shards_of("tail", [21, 15, 9, 0]) == [[0, 1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    assert shards_of("unknown", [None] * 4) == [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9]]
 
     bad = ShardWriter(tmp_path / "bad", 0, {"t": 1}, "float32", 10_000, "a test")
     bad.add_batch(batch([0, 1], nan=1))

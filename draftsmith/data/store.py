@@ -4,7 +4,8 @@ A store is a folder:
 
     index.json                           written last, atomically: a store is complete exactly when it exists
     shard-r{rank}-{n:05d}.safetensors    many samples each, closed at a batch boundary once it holds about
-                                         `collect.max_shard_bytes`; for sample i: "{i}.aux" (L, n_aux*H) and
+                                         `collect.max_shard_bytes` (an eighth of it over a collection's last
+                                         shard's worth: `ShardWriter`); for sample i: "{i}.aux" (L, n_aux*H) and
                                          "{i}.last" (L, H) in the store dtype, "{i}.input_ids" (L,) int32,
                                          "{i}.loss_mask" (L,) int8
     progress-r{rank}.json                the shards rank r finished, with their checksums (removed once the index
@@ -294,7 +295,16 @@ class ShardWriter:
     background: one thread writes it straight from memory (`write_shard`), another checksums the same memory and
     records the shard once it is on disk (at most one shard being written and one waiting for its record, so
     memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
-    disk and on record."""
+    disk and on record.
+
+    A collection's end waits for what is still open to be written. So a caller that knows how many tokens follow
+    a batch (`tokens_after`) gets smaller shards (an eighth of `max_shard_bytes`) once less than a shard's worth
+    is left: the writer keeps writing during the last forward passes instead of idling while a full shard fills,
+    and the final flush writes about one batch, not up to a whole shard (on an 8B-shaped target, 1.9 s of a
+    16 s bf16 collection over 450k tokens before this rule). Shard boundaries still follow from the plan alone,
+    so a resumed collection groups its shards as the first run did."""
+
+    TAIL_SHARD_FRACTION = 8
 
     def __init__(self, folder: Path, rank: int, plan: dict, dtype: str, max_shard_bytes: int, what: str):
         self.folder, self.rank, self.dtype, self.max_shard_bytes = folder, rank, dtype, max_shard_bytes
@@ -320,9 +330,10 @@ class ShardWriter:
         self._pending_bytes = 0
         self._in_flight: tuple | None = None  # the batch whose host copies are under way
 
-    def add_batch(self, items) -> None:
+    def add_batch(self, items, tokens_after: int | None = None) -> None:
         """Samples of one batch, `items` = [(i, aux (L, n*H), last (L, H), input_ids, loss_mask)], the states on the
-        target's device. Lands the batch before (into the open shard, closing it when full), then queues this one."""
+        target's device. Lands the batch before (into the open shard, closing it when full), then queues this one.
+        `tokens_after`: how many tokens the caller will add after this batch, when it knows (see the class)."""
         self._land()
         if not items:
             return
@@ -334,7 +345,9 @@ class ShardWriter:
         hosts, wait = dev.device_to_host_async([finite, *stored.values()])
         meta = [(i, a.shape[0], ids, mask) for i, a, _, ids, mask in items]
         per_token = bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1], self.dtype)
-        self._in_flight = (meta, list(stored), hosts, wait, per_token)
+        in_tail = tokens_after is not None and tokens_after * per_token < self.max_shard_bytes
+        limit = max(1, self.max_shard_bytes // self.TAIL_SHARD_FRACTION) if in_tail else self.max_shard_bytes
+        self._in_flight = (meta, list(stored), hosts, wait, per_token, limit)
         self.done.update(i for i, *_ in meta)
 
     def _land(self) -> None:
@@ -342,7 +355,7 @@ class ShardWriter:
         the shard to the writer threads if it is full."""
         if self._in_flight is None:
             return
-        meta, names, hosts, wait, per_token = self._in_flight
+        meta, names, hosts, wait, per_token, limit = self._in_flight
         self._in_flight = None
         wait()
         # out of the pinned staging copies at once, so the pinned pool stays two batches deep: a new pinned block
@@ -361,7 +374,7 @@ class ShardWriter:
             self._pending[f"{i}.loss_mask"] = torch.tensor(loss_mask, dtype=torch.int8)
             self._pending_ids.append((i, n))
             self._pending_bytes += n * per_token
-        if self._pending_bytes >= self.max_shard_bytes:
+        if self._pending_bytes >= limit:
             self._submit()
 
     def flush(self) -> None:
@@ -408,8 +421,10 @@ def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches:
     from tqdm.auto import tqdm
 
     lengths = {i: len(samples[i].input_ids) for batch in batches for i in batch}
-    with torch.no_grad(), tqdm(total=sum(lengths.values()), unit="tok", desc=desc, disable=not batches) as bar:
+    tokens_after = sum(lengths.values())
+    with torch.no_grad(), tqdm(total=tokens_after, unit="tok", desc=desc, disable=not batches) as bar:
         for batch in batches:
+            tokens_after -= sum(lengths[i] for i in batch)
             width = max(lengths[i] for i in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -420,7 +435,7 @@ def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches:
             states = capture(dev.host_to_device(ids, device), dev.host_to_device(mask, device), aux_layer_ids)
             aux, last = states.aux_hidden, states.last_hidden  # left on the device: the writer copies what it keeps
             writer.add_batch([(i, aux[row, :lengths[i]], last[row, :lengths[i]], samples[i].input_ids,
-                               samples[i].loss_mask) for row, i in enumerate(batch)])
+                               samples[i].loss_mask) for row, i in enumerate(batch)], tokens_after)
             bar.update(sum(lengths[i] for i in batch))
     writer.flush()
 
