@@ -86,6 +86,13 @@ CONFIGS: dict[str, list[str]] = {
     # which counts at equal time
     "fhw_kernels": ["training.train_draft_head=false", "training.lr_schedule=wsd", "training.ttt_attention=flex",
                     "training.loss_kernel=fused"],
+    # at equal time the fixture's step is launch-bound (2% MFU at 8,192 tokens): four times the tokens a step cost
+    # little time; at the same rate, and at twice it
+    "fhw_kernels_32k": ["training.train_draft_head=false", "training.lr_schedule=wsd", "training.ttt_attention=flex",
+                        "training.loss_kernel=fused", "training.tokens_per_step=32768"],
+    "fhw_kernels_32k_lr2e-3": ["training.train_draft_head=false", "training.lr_schedule=wsd",
+                               "training.ttt_attention=flex", "training.loss_kernel=fused",
+                               "training.tokens_per_step=32768", "training.lr=2e-3"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",
