@@ -52,6 +52,11 @@ sys.path.insert(0, str(HERE))
 # same gradient); 8,192 real tokens packed per step (train/data.py CollateFn); AdamW betas (0.9, 0.999) and weight
 # decay 0.01, Muon weight decay 0.1 (train/config/schema.py OptimizerArgs). Its data has one row per assistant turn
 # of a conversation where draftsmith has one sample per conversation with every assistant turn under the loss.
+# Every config starts from the recipe's training keys as they were at call 1 (every config below changes them one
+# at a time); pinned here, so that later recipe changes (Muon, wsd and the frozen head after call 2; AdamW at
+# 32,768 tokens and lr 2e-3 after call 6) leave each config meaning what its results in per_token_h200/ measured.
+RECIPE_AT_CALL_1 = ["training.optimizer=adamw", "training.lr=1e-3", "training.tokens_per_step=8192",
+                    "training.lr_schedule=cosine", "training.train_draft_head=true"]
 FH_MUON_WSD = ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=wsd"]
 CONFIGS: dict[str, list[str]] = {
     "baseline": [],
@@ -72,7 +77,8 @@ CONFIGS: dict[str, list[str]] = {
     "fh_muon_constant": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=constant"],
     "fh_muon_wsd": FH_MUON_WSD,
     "fh_wsd": ["training.train_draft_head=false", "training.lr_schedule=wsd"],
-    # one change at a time against the shipped winner (fh_muon_wsd = recipes/eagle3_fixture.yaml's training keys):
+    # one change at a time against the winner at equal steps (fh_muon_wsd: the recipe's training keys from call 2 to
+    # call 6):
     # the peer's flat TTT weighting, the LK loss, 8,192 real (packed) tokens a step in place of 8,192 padded ones
     "fhmw_decay_1.0": [*FH_MUON_WSD, "training.ttt_decay=1.0"],
     "fhmw_lk": [*FH_MUON_WSD, "training.loss=lk"],
@@ -287,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--peers: unknown {unknown}; known: {', '.join(PEERS)}")
     result = {"command": shlex.join(["python", *sys.argv]), "hardware": hardware(), "versions": versions(),
               "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "seeds": seeds,
-              "configs": {c: CONFIGS[c] for c in configs}, "peers": {x: PEERS[x] for x in peers},
+              "base_overrides": RECIPE_AT_CALL_1, "configs": {c: CONFIGS[c] for c in configs},
+              "peers": {x: PEERS[x] for x in peers},
               "ttt_steps": recipe.training.ttt_steps, "draft_vocab_size": recipe.model.draft_vocab_size}
 
     def log(msg):
@@ -308,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             length = (["training.max_steps=null", f"training.max_minutes={args.max_minutes}", "training.eval_every=100000"]
                       if timed else [f"training.max_steps={args.steps}", "training.max_minutes=null",
                                      f"training.eval_every={args.steps}"])
-            cmd = [sys.executable, "-m", "draftsmith.cli", "train", args.recipe, *args.overrides, *CONFIGS[config],
+            cmd = [sys.executable, "-m", "draftsmith.cli", "train", args.recipe, *RECIPE_AT_CALL_1, *args.overrides,
+                   *CONFIGS[config],
                    *length, "training.epochs=1000", f"training.seed={seed}", f"training.save_every={args.save_every}",
                    "training.keep_checkpoints=50", f"output_dir={out_dir}"]
             runs.append({"name": name, "trainer": "draftsmith", "config": config, "seed": seed,
