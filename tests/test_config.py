@@ -120,6 +120,14 @@ def test_bad_values(patch, expected):
          "lower data.eval_samples or raise data.max_samples"),
         ({"data": {"path": "sharegpt", "format": "hf"}}, "set data.format to auto or sharegpt"),
         ({"model": {"target": "t", "aux_layer_ids": [2, 2]}}, "list each layer once"),
+        # the example: it trained, then failed at export; now every method refuses it when the recipe is read
+        *[({"model": {"target": "t", "method": method, **({"aux_layer_ids": [6, 1, 4]} if key == "model" else {})},
+            **({key: {"target_layer_ids": [6, 1, 4]}} if key != "model" else {})},
+           "must be strictly increasing (engines concatenate the features in layer order): list the layers in "
+           "increasing order, [1, 4, 6]") for method, key in (("eagle3", "model"), ("dflash", "dflash"),
+                                                              ("dspark", "dspark"))],
+        ({"model": {"target": "t", "method": "mtp", "aux_layer_ids": [1, 2]}},
+         "MTP always reads the target's final-normed last hidden state, no aux layer; set model.aux_layer_ids to null"),
         ({"training": {"adam_betas": [0.9, 1.0]}}, "each beta must be in [0, 1)"),
     ],
 )
