@@ -43,7 +43,9 @@ def add_quickstart_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="drafter optimizer steps (default: what fits the budget for the demo, 2000 otherwise)")
     p.add_argument("--num-prompts", type=int, default=8, help="evaluation prompts (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens generated per prompt, in the sample answer and the evaluation (default 64); "
+                        "only prompts that fit the training length with these tokens are evaluated")
     p.add_argument("--k", type=int, nargs="+", default=[1, 3, 5],
                    help="num_speculative_tokens values to compare (default: 1 3 5)")
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: best available)")

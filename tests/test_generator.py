@@ -228,6 +228,26 @@ def test_every_generate_and_eval_flag_has_help(command):
     assert [a.option_strings[0] for a in flags if not (a.help or "").strip()] == []
 
 
+def test_every_flag_of_every_command_has_help():
+    """Every argument of every `draftsmith` sub-command has help text (argparse.SUPPRESS counts): quickstart's
+    --max-new-tokens had none (issue 25, item 18e). Each command's arguments are added only when it is the one
+    named, so the parser is built once per command."""
+    import argparse
+
+    from draftsmith.cli import COMMANDS, build_parser
+
+    assert {"train", "collect", "export", "import", "push", "generate", "eval", "regenerate", "quickstart"} <= set(
+        COMMANDS)
+    missing = []
+    for command in COMMANDS:
+        parser = build_parser([command])
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        actions = [a for a in sub.choices[command]._actions if not isinstance(a, argparse._HelpAction)]
+        assert actions, f"{command}: no arguments were added"
+        missing += [f"{command} {(a.option_strings or [a.dest])[0]}" for a in actions if not (a.help or "").strip()]
+    assert missing == [], f"arguments without help: {missing}"
+
+
 def test_cli_generate_serves_several_prompts_as_one_batch(fixture_target_dir, capsys):
     """Repeated --prompt: one batch, one JSON line per prompt, each the output that prompt gets alone."""
     from draftsmith.cli import main
