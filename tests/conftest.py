@@ -22,6 +22,14 @@ if accelerator_type() == "cpu":
 collect_ignore = [] if os.environ.get("DRAFTSMITH_INTEROP") == "1" else ["interop"]
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared next to the repo root
+FIXTURE_TARGET = SHARED / "fixtures" / "targets" / "sharegpt-llama-19m"
+MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
+
+
+def missing_fixture_reason(what: str, path: Path) -> str:
+    """The skip reason of a test whose shared fixture is absent: the path looked at and where the README says how
+    to get it."""
+    return f"{what} not found at {path} (see README.md, 'Tests and the fixture target')"
 
 TINY = dict(
     vocab_size=256,
@@ -54,18 +62,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def fixture_target_dir() -> Path:
     """The real tiny Llama chat target (16k vocab, 8 layers, hidden 384)."""
-    path = SHARED / "fixtures" / "targets" / "sharegpt-llama-19m"
-    if not (path / "config.json").is_file():
-        pytest.skip(f"fixture target not found at {path}")
-    return path
+    if not (FIXTURE_TARGET / "config.json").is_file():
+        pytest.skip(missing_fixture_reason("fixture target", FIXTURE_TARGET))
+    return FIXTURE_TARGET
 
 
 @pytest.fixture
 def mt_bench_path() -> Path:
-    path = SHARED / "data" / "mt_bench" / "question.jsonl"
-    if not path.is_file():
-        pytest.skip(f"MT-bench questions not found at {path}")
-    return path
+    if not MT_BENCH.is_file():
+        pytest.skip(missing_fixture_reason("MT-bench questions", MT_BENCH))
+    return MT_BENCH
 
 
 def _factory(config_cls, model_cls, **fixed) -> Callable[..., tuple[torch.nn.Module, object]]:

@@ -84,10 +84,27 @@ def chatml(tiny_tokenizer):
 @pytest.fixture(scope="module")
 def fixture_tokenizer():
     if not FIXTURE.is_dir():
-        pytest.skip(f"fixture target not found at {FIXTURE}")
+        from conftest import missing_fixture_reason
+
+        pytest.skip(missing_fixture_reason("fixture target", FIXTURE))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(FIXTURE))
+
+
+def test_missing_fixture_skip_reason_names_the_path_and_the_readme_section():
+    """A fresh clone without ../shared skips the fixture tests; the reason names where the fixture was looked for
+    and the README section that says how to get it, and that section exists and names the same paths (issue 25,
+    item 18d)."""
+    from conftest import FIXTURE_TARGET, MT_BENCH, missing_fixture_reason
+
+    reason = missing_fixture_reason("fixture target", FIXTURE_TARGET)
+    assert str(FIXTURE_TARGET) in reason and "README.md, 'Tests and the fixture target'" in reason
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = " ".join(readme.split("**Tests and the fixture target.**", 1)[1].split("\n\n", 1)[0].split())
+    assert "../shared/fixtures/targets/sharegpt-llama-19m" in section and "skip" in section
+    assert "../shared/data/mt_bench/question.jsonl" in section and "prepare_fixture_data.py" in section
+    assert FIXTURE_TARGET == FIXTURE and MT_BENCH.parts[-3:] == ("data", "mt_bench", "question.jsonl")
 
 
 # ----------------------------------------------------------------------------- loading
