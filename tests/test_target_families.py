@@ -265,7 +265,7 @@ def trained_eagle3(target, sequences, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*ADAPTED, *GENERIC])
+@pytest.mark.parametrize("name", [*ADAPTED, "gemma4", *GENERIC])
 def test_eagle3_drafter_trained_on_the_target_is_lossless(name):
     from draftsmith.models.eagle3.proposer import Eagle3Proposer
 
@@ -287,26 +287,55 @@ def test_eagle3_drafter_trained_on_the_target_is_lossless(name):
 
 
 # ---- sampling keeps the target's distribution ------------------------------------------------------------------
+def sampling_target(name):
+    """The family at the sampling test's size: an 8-token vocabulary, 16 wide, 2 heads, a 3-token window."""
+    extra = dict(global_head_dim=16, hidden_size_per_layer_input=4) if name.startswith("gemma4") else {}
+    heads = dict(num_key_value_heads=2 if name == "deepseek_v3" else 1)  # MLA: as many K/V heads as queries
+    return TargetModel(family_model(name, vocab=8, hidden=16, std=0.5, num_attention_heads=2, head_dim=8,
+                                    sliding_window=3, **heads, **extra))
+
+
+def sample_one_at_a_time(target, proposer, k, params, length):
+    """test_sampling.sample_sequences for a target that takes no batch (the generic path): its SAMPLES rows as
+    SAMPLES generations of one prompt, each with its own seed, so the samples stay independent draws."""
+    from dataclasses import replace
+
+    from test_sampling import PROMPT, SAMPLES
+
+    generator = SpeculativeGenerator(target, proposer, k)
+    seeds = [params.seed * SAMPLES + i for i in range(SAMPLES)]
+    prompt = torch.tensor([PROMPT])
+    results = [generator.generate(prompt, length, sampling=replace(params, seed=seed)) for seed in seeds]
+    assert all(len(r.token_ids) == length for r in results)
+    return [tuple(r.token_ids) for r in results], results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["probabilistic chain, top-p", "static tree"])
-@pytest.mark.parametrize("name", ADAPTED)
+@pytest.mark.parametrize("name, scenario", [
+    *((name, scenario) for name in (*ADAPTED, "gemma4") for scenario in ("probabilistic chain, top-p", "static tree")),
+    *((name, "probabilistic chain, top-p") for name in GENERIC),  # chains only: the generic path refuses trees
+])
 def test_speculative_sampling_keeps_the_family_target_distribution(name, scenario):
     """tests/test_sampling.py's chi-square test on each family: an 8-token vocabulary, 4000 sampled continuations
-    against the exact distribution enumerated with transformers' forward; a 3-token window, so the window cuts in
-    within the 3-token prompt and the continuation."""
-    from test_sampling import PROMPT, SCENARIOS, chi_square, exact_distribution, sample_sequences
+    against the exact distribution enumerated with transformers' forward; a 3-token window (DeepSeek-V3 has none),
+    so the window cuts in within the 3-token prompt and the continuation. A family on the generic path samples its
+    4000 continuations one request at a time (it takes no batch), each with its own seed."""
+    from test_sampling import PROMPT, SAMPLES, SCENARIOS, chi_square, exact_distribution, sample_sequences
 
-    extra = dict(global_head_dim=16, hidden_size_per_layer_input=4) if name == "gemma4_text" else {}
-    model = family_model(name, vocab=8, hidden=16, std=0.5, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=8, sliding_window=3, **extra)
-    target = TargetModel(model)
+    target = sampling_target(name)
+    assert (target.family is None) == (name in GENERIC)
     make, k, params, length = SCENARIOS[scenario]
-    samples, results = sample_sequences(target, make(target), k, params, length)
+    sample = sample_one_at_a_time if target.family is None else sample_sequences
+    samples, results = sample(target, make(target), k, params, length)
     stat, critical = chi_square(samples, exact_distribution(target, PROMPT, length, params))
     assert stat < critical, f"{name}, {scenario}: chi-square {stat:.1f} >= {critical:.1f}"
     accepted = sum(r.metrics.num_accepted_tokens for r in results)
     assert 0 < accepted < sum(r.metrics.num_draft_tokens for r in results)
     assert sum(r.metrics.num_accepted_tokens_per_pos[1] for r in results) > 0
+    if scenario != "static tree":  # as in test_sampling: rows whose one step accepted all k drafts end in the bonus
+        assert length == k + 2
+        bonus = sum(r.metrics.num_drafts == 1 and r.metrics.num_accepted_tokens == k for r in results)
+        assert bonus >= SAMPLES // 100, f"{name}: {bonus} rows end with a bonus token"
 
 
 # ---- FLOPs for MFU ------------------------------------------------------------------------------------------------
