@@ -155,9 +155,9 @@ def test_mtp_native_deepseek_v3_layout(fixture_prompts, tmp_path):
     """MTP as vLLM serves it: a DeepSeek-V3 target (tiny, MLA + MoE) with one native MTP layer; draftsmith
     fine-tunes that layer (init_from_native) on the target's own answers and exports the native layout, which vLLM
     loads as `speculative_config.model` in place of the shipped layer. vLLM's CPU backend runs MLA only in
-    bfloat16 (its AMX kernels), and draftsmith's runtime does not run MLA targets, so this test asserts the load,
-    vLLM's lossless outputs (against its own plain bf16 decoding) and that the drafter accepts; there are no
-    draftsmith counters to compare."""
+    bfloat16 (its AMX kernels), and draftsmith's runtime runs no MTP drafter over an MLA target, so this test
+    asserts the load, vLLM's lossless outputs (against its own plain bf16 decoding) and that the drafter accepts;
+    there are no draftsmith counters to compare."""
     import json as json_module
 
     from mla_target import write_deepseek_target
@@ -172,7 +172,8 @@ def test_mtp_native_deepseek_v3_layout(fixture_prompts, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # the trunk only
     eos = [model.config.eos_token_id]
-    with torch.no_grad():  # the target's own greedy answers (transformers; draftsmith's runtime runs no MLA)
+    # the target's own greedy answers (transformers; draftsmith's runtime runs no MTP drafter over MLA)
+    with torch.no_grad():
         answers = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
                    for p in prompts]
     data = tmp_path / "own_answers.jsonl"
@@ -198,7 +199,8 @@ def test_mtp_native_deepseek_v3_layout(fixture_prompts, tmp_path):
     seconds = time.time() - started
     problems = load_problems(lines, drafter=True)
     MATRIX.append({"format or method": "mtp, native DeepSeek-V3 layout (bf16)", "loads": not problems,
-                   "outputs equal": outputs == plain, "counters equal": "n/a (draftsmith's runtime runs no MLA)",
+                   "outputs equal": outputs == plain, "counters equal":
+                   "n/a (draftsmith's runtime runs no MTP drafter over MLA)",
                    "vLLM tau": round(tau(counters), 3), "CPU seconds": round(seconds, 1)})
     print(json.dumps(MATRIX[-1]))
     assert not problems, problems
