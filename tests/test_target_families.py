@@ -5,16 +5,17 @@ Every family is a tiny random config built here: Qwen3-MoE (4 experts, top-2, no
 sliding window), GPT-OSS (sinks, a sliding window on alternate layers, a biased router, YaRN), Gemma 4 (sliding and
 full layers of different head dims and K/V heads, K = V on full layers, KV shared by the last two layers, per-layer
 inputs, an MoE block, a double-wide MLP, logit softcapping; as Gemma4ForCausalLM and inside the multimodal
-Gemma4ForConditionalGeneration), and Phi-3 and DeepSeek-V3 (latent attention, routed and shared experts), which
-have no adapter: transformers' own forward. Windows are 8 tokens and
-outputs run well past them.
+Gemma4ForConditionalGeneration), the Llama adapter's dense Qwen3, Mistral and Qwen2 (no window here), and Phi-3
+and DeepSeek-V3 (latent attention, routed and shared experts), which have no adapter: transformers' own forward.
+Windows are 8 tokens and outputs run well past them.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, Phi3Config, Qwen3MoeConfig
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 from transformers.models.gemma4 import Gemma4Config, Gemma4TextConfig
 
 from draftsmith.inference.generator import SpeculativeGenerator
@@ -25,9 +26,11 @@ from test_graph_paths import recorded_graphs  # noqa: F401 - a fixture
 from test_tree import OracleTreeProposer
 
 WINDOW = 8
+DENSE = ("qwen3", "mistral", "qwen2")  # the Llama adapter's dense families (windowed forms: test_target.py)
 ADAPTED = ("qwen3_moe", "gpt_oss", "gemma4_text")
 GENERIC = ("phi3", "deepseek_v3")  # no adapter: transformers' own forward (DeepSeek-V3: MLA, routed + shared experts)
-STD = {"gemma4_text": 0.08, "gemma4": 0.08, "phi3": 0.1}  # weights redrawn where the default init decodes flat
+# weights redrawn where the default init decodes flat
+STD = {"gemma4_text": 0.08, "gemma4": 0.08, "phi3": 0.1, "mistral": 0.1, "qwen2": 0.1}
 
 
 def family_config(family: str, vocab: int = 128, hidden: int = 64, layers: int = 4, **overrides):
@@ -61,6 +64,10 @@ def family_config(family: str, vocab: int = 128, hidden: int = 64, layers: int =
     if family == "gemma4":  # the multimodal checkpoints Google ships, with no vision or audio tower here
         return Gemma4Config(text_config=family_config("gemma4_text", vocab, hidden, layers, **overrides).to_dict(),
                             vision_config=None, audio_config=None)
+    if family in DENSE:  # no sliding window: past it, the runtime refuses these (test_target.py pins that)
+        config = {"qwen3": Qwen3Config, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+        extra = {"head_dim": 16} if family == "qwen3" else {}
+        return config(**{**common, "intermediate_size": 96, **extra, **overrides, "sliding_window": None})
     if family == "phi3":
         return Phi3Config(**{**common, "intermediate_size": 96, "sliding_window": WINDOW, **overrides})
     raise ValueError(family)
@@ -79,7 +86,7 @@ def family_model(family: str, seed: int = 0, std: float | None = None, **config)
     return model
 
 
-@pytest.fixture(scope="module", params=[*ADAPTED, "gemma4", *GENERIC])
+@pytest.fixture(scope="module", params=[*DENSE, *ADAPTED, "gemma4", *GENERIC])
 def family(request):
     """(family name, model, its TargetModel, two prompts)."""
     model = family_model(request.param)
@@ -265,7 +272,7 @@ def trained_eagle3(target, sequences, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*ADAPTED, "gemma4", *GENERIC])
+@pytest.mark.parametrize("name", [*DENSE, *ADAPTED, "gemma4", *GENERIC])
 def test_eagle3_drafter_trained_on_the_target_is_lossless(name):
     from draftsmith.models.eagle3.proposer import Eagle3Proposer
 
@@ -312,7 +319,8 @@ def sample_one_at_a_time(target, proposer, k, params, length):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, scenario", [
-    *((name, scenario) for name in (*ADAPTED, "gemma4") for scenario in ("probabilistic chain, top-p", "static tree")),
+    *((name, scenario) for name in (*DENSE, *ADAPTED, "gemma4")
+      for scenario in ("probabilistic chain, top-p", "static tree")),
     *((name, "probabilistic chain, top-p") for name in GENERIC),  # chains only: the generic path refuses trees
 ])
 def test_speculative_sampling_keeps_the_family_target_distribution(name, scenario):
