@@ -254,8 +254,9 @@ class _RecipeCore(BaseModel):
         if self.training.loss not in spec.losses:
             raise ValueError(f"training.loss {self.training.loss} is not implemented for model.method "
                              f"{self.model.method}: it trains with {' or '.join(spec.losses)}")
-        if not self.training.train_draft_head and self.model.method != "eagle3":
-            raise ValueError(f"training.train_draft_head=false is implemented for eagle3; model.method "
+        if not self.training.train_draft_head and not spec.frozen_head:
+            frozen = [s.method for s in registry.SPECS if s.frozen_head]
+            raise ValueError(f"training.train_draft_head=false is implemented for {', '.join(frozen)}; model.method "
                              f"{self.model.method} reads out as it always does (set training.train_draft_head=true)")
         spec.check_recipe(self, None)
         return self

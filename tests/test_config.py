@@ -126,6 +126,8 @@ def test_bad_values(patch, expected):
            "must be strictly increasing (engines concatenate the features in layer order): list the layers in "
            "increasing order, [1, 4, 6]") for method, key in (("eagle3", "model"), ("dflash", "dflash"),
                                                               ("dspark", "dspark"))],
+        ({"model": {"target": "t", "method": "dflash"}, "training": {"train_draft_head": False}},
+         "training.train_draft_head=false is implemented for eagle3; model.method dflash reads out as it always does"),
         ({"model": {"target": "t", "method": "mtp", "aux_layer_ids": [1, 2]}},
          "MTP always reads the target's final-normed last hidden state, no aux layer; set model.aux_layer_ids to null"),
         ({"training": {"adam_betas": [0.9, 1.0]}}, "each beta must be in [0, 1)"),

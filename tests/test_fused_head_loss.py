@@ -268,7 +268,7 @@ def test_frozen_head_losses_with_the_kernel_equal_the_reference(name, launches):
 
 # ---- selection -------------------------------------------------------------------------------------------------
 def test_the_backend_is_chosen_by_the_device_and_forced_by_the_key(monkeypatch):
-    """auto takes the kernel on a GPU only for the methods it was measured for (AUTO_FUSED_METHODS: EAGLE-3); fused
+    """auto takes the kernel on a GPU only where the method says it was measured (EAGLE-3's training); fused
     runs on CUDA and ROCm with Triton and is refused elsewhere; recompute always takes the reference."""
     assert resolve_backend("auto", "cpu") == "reference" == resolve_backend("reference", "cpu")
     with pytest.raises(ValueError, match="training.loss_kernel=auto or reference"):
@@ -278,17 +278,16 @@ def test_the_backend_is_chosen_by_the_device_and_forced_by_the_key(monkeypatch):
     monkeypatch.setattr(dev.importlib.util, "find_spec", lambda name: object())  # Triton "installed"
     assert dev.fused_loss_kernel("cuda") and not dev.fused_loss_kernel("npu")
     assert resolve_backend("fused", "cuda:0") == "fused"
-    assert resolve_backend("auto", "cuda") == "reference"  # no method named: not measured
-    assert resolve_backend("auto", "cuda", method="dflash") == "reference"  # not measured for DFlash
+    assert resolve_backend("auto", "cuda") == "reference"  # not measured
     assert resolve_backend("fused", "cuda", "recompute") == "reference"
-    assert resolve_backend("auto", "cuda", method="eagle3") == "fused"
-    assert resolve_backend("auto", "cuda", "recompute", method="eagle3") == "reference"
-    assert resolve_backend("auto", "cpu", method="eagle3") == "reference"
+    assert resolve_backend("auto", "cuda", measured=True) == "fused"
+    assert resolve_backend("auto", "cuda", "recompute", measured=True) == "reference"
+    assert resolve_backend("auto", "cpu", measured=True) == "reference"
     monkeypatch.setenv("DRAFTSMITH_FUSED_LOSS", "0")
-    assert resolve_backend("auto", "cuda", method="eagle3") == "reference"
+    assert resolve_backend("auto", "cuda", measured=True) == "reference"
     monkeypatch.delenv("DRAFTSMITH_FUSED_LOSS")
     monkeypatch.setattr(dev.importlib.util, "find_spec", lambda name: None)  # no Triton
-    assert resolve_backend("auto", "cuda", method="eagle3") == "reference"
+    assert resolve_backend("auto", "cuda", measured=True) == "reference"
 
 
 

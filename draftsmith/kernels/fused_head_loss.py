@@ -22,8 +22,9 @@ scalar (MTP and DFlash weight each row later), has no LK, and returns no argmaxe
 
 Selection: `training.loss_kernel` (auto | fused | reference), resolved once per run by `resolve_backend` from
 device.fused_loss_kernel (CUDA and ROCm with Triton; DRAFTSMITH_FUSED_LOSS=0 keeps auto on the reference). auto
-takes the kernel only for the methods it was measured for on the device (AUTO_FUSED_METHODS), the reference
-elsewhere.
+takes the kernel only where the calling method says it was measured on the device (`measured`: EAGLE-3's
+training.py, after the 8B shape at 16 x 2048 on an H200 ran 1.05x the tokens/s with the same peak memory and
+losses, benchmarks/results/kernels_h200/), the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ import functools
 import torch
 
 BACKENDS = ("auto", "fused", "reference")  # training.loss_kernel
-# The methods whose auto takes the fused kernel: those measured on the device (train_8b_shape.py +fusedloss,
-# benchmarks/gpu_kernels.sh), nothing unmeasured runs by default. EAGLE-3: the 8B shape at 16 x 2048 on an H200,
-# 1.05x tokens/s, the same peak memory and losses, its GPU tests passing (benchmarks/results/kernels_h200/).
-AUTO_FUSED_METHODS = frozenset({"eagle3"})
 KINDS = {"soft_ce": 0, "kl": 1, "lk": 2, "ce": 3}  # head_loss_triton.KIND
 BLOCK = 4096  # vocabulary columns a program reads at a time on a GPU (a 32,000-token head: 8 blocks a pass)
 NUM_WARPS = 8
@@ -44,11 +41,12 @@ NUM_WARPS = 8
 
 # ---- selection -----------------------------------------------------------------------------------------------
 def resolve_backend(requested: str, device: torch.device | str, loss_grad: str = "in_forward",
-                    method: str | None = None) -> str:
+                    measured: bool = False) -> str:
     """'fused' or 'reference' for training.loss_kernel `requested` on `device`: fused runs where
     device.fused_loss_kernel says the kernel does (CUDA and ROCm with Triton, DRAFTSMITH_FUSED_LOSS unset) and the
     gradient is taken in the forward pass (`loss_grad` in_forward: the kernel writes it there); auto takes it only
-    for a `method` in AUTO_FUSED_METHODS (measured there)."""
+    where the caller's method was `measured` faster with it on the device (train_8b_shape.py +fusedloss,
+    benchmarks/gpu_kernels.sh): nothing unmeasured runs by default."""
     from draftsmith import device as dev
 
     if requested not in BACKENDS:
@@ -59,7 +57,7 @@ def resolve_backend(requested: str, device: torch.device | str, loss_grad: str =
     if requested == "fused" and not runs:
         raise ValueError(f"training.loss_kernel=fused needs a CUDA or ROCm GPU with Triton and DRAFTSMITH_FUSED_LOSS "
                          f"unset (here {device}): set training.loss_kernel=auto or reference")
-    return "fused" if runs and (requested == "fused" or method in AUTO_FUSED_METHODS) else "reference"
+    return "fused" if runs and (requested == "fused" or measured) else "reference"
 
 
 # ---- one chunk -----------------------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class DrafterSpec:
     scored_drafts: bool = False  # its drafts carry per-token scores: trees and probabilistic drafts
     model_required: bool = True  # a speculative config must name "model" (MTP falls back to the target's)
     packing: bool = False  # trains on packed rows (training.packing)
+    frozen_head: bool = False  # can keep its draft head at the target's rows (training.train_draft_head=false)
     losses: tuple[str, ...] = ("soft_ce",)  # training.loss values it implements
     # Speculative-config keys of the method's own, which vLLM does not serve (`draftsmith eval` never recommends a
     # config using one): name -> its check, value -> the value kept (raises ValueError saying what is wrong)

@@ -257,6 +257,8 @@ class TargetModel:
         return self._decoder.norm
 
     def default_aux_layer_ids(self) -> list[int]:
+        # The one arrow from shared code into a method folder: the default is vLLM's EAGLE-3 rule, which lives with
+        # EAGLE-3's recipe section; a caller that names no method (tests, probes) gets the ids vLLM would use.
         from draftsmith.models.eagle3.section import default_aux_layer_ids
 
         return default_aux_layer_ids(self.num_layers)

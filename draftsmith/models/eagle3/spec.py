@@ -53,5 +53,6 @@ SPEC = DrafterSpec(
     draft_vocab=True,
     scored_drafts=True,
     packing=True,
+    frozen_head=True,
     losses=("soft_ce", "lk"),
 )

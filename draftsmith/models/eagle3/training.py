@@ -24,8 +24,9 @@ class Eagle3Method:
         self.loss_options = dict(decay=training.ttt_decay, kind=training.loss, lk_eta=training.lk_eta,
                                  mask_outside_draft_vocab=training.mask_outside_draft_vocab,
                                  chunk_size=training.loss_chunk_size, loss_grad=training.loss_grad,
+                                 # auto: the kernel, measured for EAGLE-3 (kernels_h200/, call 3)
                                  loss_kernel=resolve_loss_kernel(training.loss_kernel, target.device,
-                                                                 training.loss_grad, self.name))
+                                                                 training.loss_grad, measured=True))
         self.query_block = training.ttt_query_block
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps
