@@ -58,6 +58,8 @@ sys.path.insert(0, str(HERE))
 RECIPE_AT_CALL_1 = ["training.optimizer=adamw", "training.lr=1e-3", "training.tokens_per_step=8192",
                     "training.lr_schedule=cosine", "training.train_draft_head=true"]
 FH_MUON_WSD = ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=wsd"]
+KERNELS = ["training.ttt_attention=flex", "training.loss_kernel=fused"]  # what auto takes on a GPU, forced
+FHW_KERNELS = ["training.train_draft_head=false", "training.lr_schedule=wsd", *KERNELS]
 CONFIGS: dict[str, list[str]] = {
     "baseline": [],
     "freeze_head": ["training.train_draft_head=false"],
@@ -87,18 +89,14 @@ CONFIGS: dict[str, list[str]] = {
     # the shipped winner with issue 28's kernels forced (FlexAttention TTT attention, fused Triton head loss; what
     # auto takes on a GPU unless DRAFTSMITH_FLEX_ATTENTION=0, which gpu_per_token.sh sets by default): for the
     # equal-time reading, where the step's speed counts
-    "fhmw_kernels": [*FH_MUON_WSD, "training.ttt_attention=flex", "training.loss_kernel=fused"],
+    "fhmw_kernels": [*FH_MUON_WSD, *KERNELS],
     # the same with AdamW in place of Muon (fh_wsd + the kernels): Muon's orthogonalisation costs ~14% of the step,
     # which counts at equal time
-    "fhw_kernels": ["training.train_draft_head=false", "training.lr_schedule=wsd", "training.ttt_attention=flex",
-                    "training.loss_kernel=fused"],
+    "fhw_kernels": FHW_KERNELS,
     # at equal time the fixture's step is launch-bound (2% MFU at 8,192 tokens): four times the tokens a step cost
     # little time; at the same rate, and at twice it
-    "fhw_kernels_32k": ["training.train_draft_head=false", "training.lr_schedule=wsd", "training.ttt_attention=flex",
-                        "training.loss_kernel=fused", "training.tokens_per_step=32768"],
-    "fhw_kernels_32k_lr2e-3": ["training.train_draft_head=false", "training.lr_schedule=wsd",
-                               "training.ttt_attention=flex", "training.loss_kernel=fused",
-                               "training.tokens_per_step=32768", "training.lr=2e-3"],
+    "fhw_kernels_32k": [*FHW_KERNELS, "training.tokens_per_step=32768"],
+    "fhw_kernels_32k_lr2e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",

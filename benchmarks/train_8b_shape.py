@@ -201,15 +201,18 @@ def profile_step(train_step, text: str, device, folder: Path, result: dict) -> N
         else:
             names, sort_by, ranked = ("self_cpu_time_total",), "self_cpu_time_total", list(events)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"profile_{re.sub(r'[^A-Za-z0-9.+-]+', '_', text)}.txt"
+        # '+' as '-' (the device tool's file transfer refuses '+'), other separators as '_': eagle3+reference and
+        # eagle3/reference stay apart
+        path = folder / f"profile_{re.sub(r'[^A-Za-z0-9.-]+', '_', text.replace('+', '-'))}.txt"
         path.write_text(f"{text}: one training step, sorted by {sort_by}\n"
                         + events.table(sort_by=sort_by, row_limit=30, max_name_column_width=120) + "\n")
-        total = sum(_time_attr(e, *names) for e in ranked)
-        top = sorted(ranked, key=lambda e: _time_attr(e, *names), reverse=True)[:12]
+        self_us = [(e, _time_attr(e, *names)) for e in ranked]
+        total = sum(us for _, us in self_us)
+        top = sorted(self_us, key=lambda pair: pair[1], reverse=True)[:12]
         result["profile_table"] = str(path)
-        result["profile_top"] = [{"name": e.key[:120], "self_ms": round(_time_attr(e, *names) / 1e3, 3),
-                                  "share": round(_time_attr(e, *names) / total, 3) if total else None,
-                                  "calls": e.count} for e in top]
+        result["profile_top"] = [{"name": e.key[:120], "self_ms": round(us / 1e3, 3),
+                                  "share": round(us / total, 3) if total else None, "calls": e.count}
+                                 for e, us in top]
         for entry in result["profile_top"][:5]:
             print(f"  {text} profile: {entry['self_ms']:9.3f} ms {entry['share'] or 0:6.1%} "
                   f"x{entry['calls']:<5} {entry['name'][:80]}", flush=True)

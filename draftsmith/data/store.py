@@ -424,7 +424,8 @@ def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches:
     tokens_after = sum(lengths.values())
     with torch.no_grad(), tqdm(total=tokens_after, unit="tok", desc=desc, disable=not batches) as bar:
         for batch in batches:
-            tokens_after -= sum(lengths[i] for i in batch)
+            in_batch = sum(lengths[i] for i in batch)
+            tokens_after -= in_batch
             width = max(lengths[i] for i in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -436,7 +437,7 @@ def capture_samples(capture, device, aux_layer_ids: list[int], samples, batches:
             aux, last = states.aux_hidden, states.last_hidden  # left on the device: the writer copies what it keeps
             writer.add_batch([(i, aux[row, :lengths[i]], last[row, :lengths[i]], samples[i].input_ids,
                                samples[i].loss_mask) for row, i in enumerate(batch)], tokens_after)
-            bar.update(sum(lengths[i] for i in batch))
+            bar.update(in_batch)
     writer.flush()
 
 
