@@ -121,11 +121,11 @@ def test_bad_values(patch, expected):
         ({"data": {"path": "sharegpt", "format": "hf"}}, "set data.format to auto or sharegpt"),
         ({"model": {"target": "t", "aux_layer_ids": [2, 2]}}, "list each layer once"),
         # the example: it trained, then failed at export; now every method refuses it when the recipe is read
-        *[({"model": {"target": "t", "method": method, **({"aux_layer_ids": [6, 1, 4]} if key == "model" else {})},
-            **({key: {"target_layer_ids": [6, 1, 4]}} if key != "model" else {})},
-           "must be strictly increasing (engines concatenate the features in layer order): list the layers in "
-           "increasing order, [1, 4, 6]") for method, key in (("eagle3", "model"), ("dflash", "dflash"),
-                                                              ("dspark", "dspark"))],
+        *[(patch, "must be strictly increasing (engines concatenate the features in layer order): list the layers "
+                  "in increasing order, [1, 4, 6]")
+          for patch in ({"model": {"target": "t", "method": "eagle3", "aux_layer_ids": [6, 1, 4]}},
+                        {"model": {"target": "t", "method": "dflash"}, "dflash": {"target_layer_ids": [6, 1, 4]}},
+                        {"model": {"target": "t", "method": "dspark"}, "dspark": {"target_layer_ids": [6, 1, 4]}})],
         ({"model": {"target": "t", "method": "dflash"}, "training": {"train_draft_head": False}},
          "training.train_draft_head=false is implemented for eagle3; model.method dflash reads out as it always does"),
         ({"model": {"target": "t", "method": "mtp", "aux_layer_ids": [1, 2]}},

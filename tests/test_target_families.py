@@ -295,7 +295,8 @@ def test_eagle3_drafter_trained_on_the_target_is_lossless(name):
 
 # ---- sampling keeps the target's distribution ------------------------------------------------------------------
 def sampling_target(name):
-    """The family at the sampling test's size: an 8-token vocabulary, 16 wide, 2 heads, a 3-token window."""
+    """The family at the sampling test's size: an 8-token vocabulary, 16 wide, 2 heads, a 3-token window where the
+    family has one."""
     extra = dict(global_head_dim=16, hidden_size_per_layer_input=4) if name.startswith("gemma4") else {}
     heads = dict(num_key_value_heads=2 if name == "deepseek_v3" else 1)  # MLA: as many K/V heads as queries
     return TargetModel(family_model(name, vocab=8, hidden=16, std=0.5, num_attention_heads=2, head_dim=8,
@@ -325,8 +326,8 @@ def sample_one_at_a_time(target, proposer, k, params, length):
 ])
 def test_speculative_sampling_keeps_the_family_target_distribution(name, scenario):
     """tests/test_sampling.py's chi-square test on each family: an 8-token vocabulary, 4000 sampled continuations
-    against the exact distribution enumerated with transformers' forward; a 3-token window (DeepSeek-V3 has none),
-    so the window cuts in within the 3-token prompt and the continuation. A family on the generic path samples its
+    against the exact distribution enumerated with transformers' forward; a 3-token window (DeepSeek-V3 and the dense
+    Qwen3, Mistral and Qwen2 configs have none), so the window cuts in within the 3-token prompt and the continuation. A family on the generic path samples its
     4000 continuations one request at a time (it takes no batch), each with its own seed."""
     from test_sampling import PROMPT, SAMPLES, SCENARIOS, chi_square, exact_distribution, sample_sequences
 
