@@ -281,6 +281,17 @@ def test_export_contract_refuses_what_an_engine_would_misread(tmp_path):
     assert any("missing tensors: confidence_head.proj.bias" in p for p in problems)
 
 
+def test_a_drafter_without_confidence_head_exports_with_sglangs_serving_mode_named(tmp_path):
+    """SGLang builds a confidence head for every DSpark draft outside its static verify mode and refuses a
+    checkpoint without one: the export still goes ahead, and says so."""
+    ckpt, _ = checkpoint(tmp_path / "ckpt", tiny_config(confidence_head=False))
+    result = export_dspark(ckpt, tmp_path / "out", dtype=None)
+    config = json.loads((result.out_dir / "config.json").read_text())
+    _, tensors, _ = read_drafter_folder(result.out_dir)
+    assert config["enable_confidence_head"] is False and not any(n.startswith("confidence_head.") for n in tensors)
+    assert [w for w in result.warnings if "SGLANG_RAGGED_VERIFY_MODE is static" in w], result.warnings
+
+
 def _published(tmp_path, name, edit_config, edit_tensors=lambda t: t):
     """A published folder made from our export, rewritten to another project's layout."""
     ckpt, drafter = checkpoint(tmp_path / f"{name}-ckpt")
