@@ -3,16 +3,16 @@ qwen3_dspark.py) and SGLang (`--speculative-algorithm DSPARK`, models/dspark.py)
 
 DFlash's Qwen3-shaped config (models/dflash/export.py) with architecture `Qwen3DSparkModel` and, at the top level
 where both engines read them (vLLM reads `markov_rank` nowhere else; SGLang's heads read the top-level attributes,
-its config parser `dflash_config` first): `markov_rank`, `markov_head_type`, `enable_confidence_head`,
+0.5.23's config parser `dflash_config` first): `markov_rank`, `markov_head_type`, `enable_confidence_head`,
 `confidence_head_with_markov`, `mask_token_id`, `target_layer_ids` (output-of-layer ids, both engines capture
 i + 1) and `sample_from_anchor: true`, the slot convention (config.py): vLLM reads it at the top level only (inside
-`dflash_config` its DFlash parent refuses it), SGLang 0.5.23 at the top level too (missing = true; earlier SGLang
-assumed it and refused speculators configs). `dflash_config` repeats the layer ids and the mask token for readers
-that look there first. Tensors: DFlash's, plus `markov_head.markov_w1.weight` (V, r), `markov_head.markov_w2.weight`
-(V, r), `markov_head.gate_proj.*` (gated head) and `confidence_head.proj.*`; no embedding or head (both engines
-share the target's). vLLM 0.32 builds only the vanilla Markov head. SGLang builds its confidence head whatever
-`enable_confidence_head` says unless SGLANG_RAGGED_VERIFY_MODE is `static` (its default), and then refuses a
-checkpoint without `confidence_head.proj.*`: a drafter trained without the head serves in the default mode only.
+`dflash_config` its DFlash parent refuses it), SGLang 0.5.19 to 0.5.23 at the top level too (missing = true;
+0.5.16 to 0.5.18 assume it). `dflash_config` repeats the layer ids and the mask token for readers that look there
+first. Tensors: DFlash's, plus `markov_head.markov_w1.weight` (V, r), `markov_head.markov_w2.weight` (V, r),
+`markov_head.gate_proj.*` (gated head) and `confidence_head.proj.*`; no embedding or head (both engines share the
+target's). vLLM 0.32 builds only the vanilla Markov head. SGLang (0.5.17 to 0.5.23) builds its confidence head
+whatever `enable_confidence_head` says unless SGLANG_RAGGED_VERIFY_MODE is `static` (its default), and then refuses
+a checkpoint without `confidence_head.proj.*`: a drafter trained without the head serves in the default mode only.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def check_dspark_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]
                         "the top level only")
     if "speculators_model_type" in config:
         problems.append("config speculators_model_type: marks a speculators-format config (SGLang refuses any DSpark "
-                        "config that has it before 0.5.23, which reads sample_from_anchor instead)")
+                        "config that has it at commit 01f4762; releases 0.5.19 to 0.5.23 read sample_from_anchor)")
     if not config.get("enable_confidence_head"):
         warnings.append("no confidence head: SGLang builds one whatever enable_confidence_head says unless "
                         "SGLANG_RAGGED_VERIFY_MODE is static (its default), and then refuses this checkpoint "
