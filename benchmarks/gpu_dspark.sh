@@ -12,7 +12,10 @@
 #                 turns, then temperature 1 at KS_T1 over PROMPTS_T1 prompts; float32, EVAL_BATCH requests at a
 #                 time (tokens/s and speedups are at that concurrency); NGRAM=0 leaves n-gram out, T1=0 the
 #                 temperature-1 pass
-# METHODS may name any methods with a recipes/<m>_fixture.yaml (METHODS="eagle eagle3": EAGLE-1 against EAGLE-3).
+# METHODS may name any methods with a recipes/<m>_fixture.yaml (METHODS="eagle eagle3": EAGLE-1 against EAGLE-3),
+# and variants as NAME=METHOD with their overrides in NAME_EXTRA (upper case): METHODS="dspark dspark_gated=dspark"
+# DSPARK_GATED_EXTRA="dspark.markov_head=gated" trains both, each into its own folder, evaluated side by side.
+# CUT names the run DSpark's confidence cut is evaluated on (dspark).
 #
 # Inputs, in the git-ignored .gpu/ folder (name .gpu in the call's carry list):
 #   .gpu/fixture.tar.xz            tar -cf - .fixture | xz -1 > .gpu/fixture.tar.xz (benchmarks/prepare_fixture_data.py
@@ -38,13 +41,17 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   >> "$OUT/gpu.txt"
 TARGET=.fixture/sharegpt-llama-19m
 left() { echo $(( BUDGET - SECONDS )); }
+method_of() { local run=$1; echo "${run#*=}"; }  # "dspark_gated=dspark" -> dspark; "eagle3" -> eagle3
 
 configs() {  # the --speculative-config flags of the drafters trained, n-gram, and DSpark with its confidence cut
-  for m in $METHODS; do printf -- '--speculative-config\n{"method":"%s","model":"%s/%s"}\n' "$m" "$RUNS" "$m"; done
+  for run in $METHODS; do
+    printf -- '--speculative-config\n{"method":"%s","model":"%s/%s"}\n' "$(method_of "$run")" "$RUNS" "${run%%=*}"
+  done
   [ "${NGRAM:-1}" = 0 ] || printf -- '--speculative-config\n{"method":"ngram","prompt_lookup_max":4,"prompt_lookup_min":1}\n'
-  case " $METHODS " in *" dspark "*)
-    printf -- '--speculative-config\n{"method":"dspark","model":"%s/dspark","confidence_threshold":%s}\n' \
-      "$RUNS" "${CONFIDENCE:-0.5}" ;;
+  local cut="${CUT:-dspark}"
+  case " ${METHODS//=/ } " in *" $cut "*)
+    printf -- '--speculative-config\n{"method":"dspark","model":"%s/%s","confidence_threshold":%s}\n' \
+      "$RUNS" "$cut" "${CONFIDENCE:-0.5}" ;;
   esac
 }
 
@@ -77,14 +84,16 @@ case "$STAGE" in
       xz -T0 -3 -c .devdata/regenerated/regenerated.jsonl > "$OUT/regenerated.jsonl.xz"
     fi
     rm -rf "$RUNS"
-    for m in $METHODS; do
-      extra_var="${m^^}_EXTRA"  # DSPARK_EXTRA, DFLASH_EXTRA, EAGLE3_EXTRA: overrides of that method's run only
-      python3 -m draftsmith.cli train "recipes/${m}_fixture.yaml" data.path=.devdata/regenerated/regenerated.jsonl \
-        training.max_minutes="${MINUTES:-6.0}" output_dir="$RUNS/$m" ${EXTRA:-} ${!extra_var:-} \
-        > "$OUT/train_$m.log" 2>&1 &
+    for run in $METHODS; do
+      m="${run%%=*}"
+      extra_var="${m^^}_EXTRA"  # DSPARK_EXTRA, DFLASH_EXTRA, EAGLE3_EXTRA: overrides of that run only
+      python3 -m draftsmith.cli train "recipes/$(method_of "$run")_fixture.yaml" \
+        data.path=.devdata/regenerated/regenerated.jsonl training.max_minutes="${MINUTES:-6.0}" output_dir="$RUNS/$m" \
+        ${EXTRA:-} ${!extra_var:-} > "$OUT/train_$m.log" 2>&1 &
     done
     wait
-    for m in $METHODS; do
+    for run in $METHODS; do
+      m="${run%%=*}"
       echo "== $m"; grep -E "time budget|done:|Error|error" "$OUT/train_$m.log" | tail -4
       cp "$RUNS/$m/metrics.jsonl" "$OUT/${m}_metrics.jsonl" 2>/dev/null
     done
