@@ -116,8 +116,14 @@ ACCEPTING_RECIPES = {  # name -> (method, steps, recipe overrides)
                                                                     "anchors_per_sequence": 64}}),
     "mtp": ("mtp", 60, {"training": {"lr": 3e-3}, "mtp": {"num_depths": 3}}),
     "eagle": ("eagle", 60, {"training": {"lr": 3e-3}}),
-    "dspark": ("dspark", 80, {"training": {"lr": 2e-3}, "dspark": {"num_layers": 1, "block_size": 4,
-                                                                    "anchors_per_sequence": 64, "markov_rank": 32}}),
+    "dspark": ("dspark", 80, {"model": {"draft_vocab_size": None},  # the target's whole vocabulary
+                              "training": {"lr": 2e-3}, "dspark": {"num_layers": 1, "block_size": 4,
+                                                                   "anchors_per_sequence": 64, "markov_rank": 32}}),
+    # vLLM's reduced-vocabulary DSpark: 1,000 of the 16,000 ids, its own frozen head rows and d2t
+    "dspark_pruned": ("dspark", 80, {"model": {"draft_vocab_size": 1000},
+                                     "training": {"lr": 2e-3}, "dspark": {"num_layers": 1, "block_size": 4,
+                                                                          "anchors_per_sequence": 64,
+                                                                          "markov_rank": 32}}),
 }
 
 

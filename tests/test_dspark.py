@@ -361,7 +361,8 @@ def test_published_layouts_import_to_the_same_drafter(tmp_path, layout, edit_con
     assert torch.equal(load_drafter(folder).markov_head.markov_w2.weight, drafter.markov_head.markov_w2.weight)
 
 
-def test_other_slot_conventions_and_pruned_vocabularies_are_refused_by_name(tmp_path):
+def test_other_slot_conventions_and_pruned_vocabularies_without_their_head_are_refused_by_name(tmp_path):
+    """A pruned draft vocabulary reads (tests/test_dspark_vocab.py) only with its own lm_head and d2t, as vLLM's."""
     folder, _ = _published(tmp_path, "fill-in", _speculators(None))  # speculators without the key: fill-in slots
     with pytest.raises(CheckpointImportError, match="fill-in slots"):
         import_checkpoint(folder, tmp_path / "a")
@@ -371,7 +372,7 @@ def test_other_slot_conventions_and_pruned_vocabularies_are_refused_by_name(tmp_
     def pruned(config):
         return {**_speculators(True)(config), "draft_vocab_size": 128}
     folder, _ = _published(tmp_path, "pruned", pruned)
-    with pytest.raises(CheckpointImportError, match="pruned draft vocabulary"):
+    with pytest.raises(CheckpointImportError, match="pruned draft vocabulary needs its own lm_head.weight and d2t"):
         import_checkpoint(folder, tmp_path / "b")
 
 

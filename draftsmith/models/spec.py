@@ -63,6 +63,9 @@ class TrainingMethod(Protocol):
     # Data-parallel runs: the trainer sets this to the mean over processes of a per-process count, for methods
     # that normalise their loss by the global batch's token count; None on one process.
     count_mean: Callable[[torch.Tensor], torch.Tensor] | None
+    # The draft vocabulary's size the trainer builds d2t / t2d for and hands to build_drafter (model.draft_vocab_size,
+    # or the method's default for it); None (or absent): the target's whole vocabulary.
+    draft_vocab_size: int | None
 
     def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
         """Model FLOP per trained token at this length, by term and "total" (train/flops.py), for MFU."""
@@ -112,7 +115,8 @@ class DrafterSpec:
     # config.json (one of `formats`' `detect`): vLLM serves Gemma 4's assistant as {"method": "mtp", "model": ...}.
     # A speculative config of such a method whose model this spec detects runs this spec's proposer.
     served_as: tuple[str, ...] = ()
-    draft_vocab: bool = False  # reads out through its own draft vocabulary (model.draft_vocab_size)
+    # reads out through its own draft vocabulary when model.draft_vocab_size asks (the method's draft_vocab_size)
+    draft_vocab: bool = False
     scored_drafts: bool = False  # its drafts carry per-token scores: trees and probabilistic drafts
     model_required: bool = True  # a speculative config must name "model" (MTP falls back to the target's)
     packing: bool = False  # trains on packed rows (training.packing)

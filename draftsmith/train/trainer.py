@@ -40,7 +40,7 @@ from draftsmith.config import (
     save_recipe,
 )
 from draftsmith.models import registry
-from draftsmith.models.spec import TrainingMethod, draft_vocab_size_for, resolve
+from draftsmith.models.spec import TrainingMethod, resolve
 from draftsmith.train.flops import describe as describe_flops
 from draftsmith.train.health import FeatureCheck, FiniteWatch, StuckWatch
 from draftsmith.train.optim import (
@@ -541,9 +541,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
                                              attn_implementation=recipe.model.attn_implementation)
     check_target_weights(target, recipe.model.target)
     check_tokenizer_fits(len(tokenizer), target.vocab_size, recipe.model.target)
-    vocab_size = draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size) if spec.draft_vocab \
-        else target.vocab_size
     method = method_class(recipe.model.method)(recipe, target)
+    # the method's draft vocabulary (EAGLE-3's default fits the target; None: the target's whole vocabulary)
+    vocab_size = getattr(method, "draft_vocab_size", None) or target.vocab_size
     for note in method.notes:
         log(note)
     if accelerator.num_processes > 1:

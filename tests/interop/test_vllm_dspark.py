@@ -26,10 +26,10 @@ from vllm_engine import VllmError, report, run_vllm
 REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
 
 
-def _export(accepting_drafter, folder: Path) -> tuple[Path, Path]:
+def _export(accepting_drafter, folder: Path, name: str = "dspark") -> tuple[Path, Path]:
     from draftsmith.models.dspark.export import export_dspark
 
-    checkpoint = accepting_drafter("dspark")
+    checkpoint = accepting_drafter(name)
     export_dspark(checkpoint, folder, dtype=None)
     return checkpoint, folder
 
@@ -46,11 +46,15 @@ def test_vllm_cpu_refuses_dspark_for_its_runner_only(fixture_prompts, accepting_
     assert any("Resolved architecture: Qwen3DSparkModel" in line for line in lines)  # our config was read first
 
 
-def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, accepting_drafter, tmp_path):
+@pytest.mark.parametrize("drafter", ["dspark", "dspark_pruned"])
+def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, accepting_drafter, tmp_path, drafter):
+    """dspark_pruned: 1,000 of the 16,000 ids (model.draft_vocab_size), vLLM's reduced-vocabulary DSpark: its
+    config reader and load_weights take the export's draft_vocab_size, lm_head.weight and d2t, and its
+    draft_id_to_target_id, draft-space logits and mapped argmax are ours."""
     from draftsmith.models.dspark.io import load_drafter
 
     target, _, _, _, _ = fixture_prompts
-    checkpoint, draft = _export(accepting_drafter, tmp_path / "dspark")
+    checkpoint, draft = _export(accepting_drafter, tmp_path / "dspark", drafter)
     ours = load_drafter(checkpoint)  # the training checkpoint, not the export
     cfg = ours.config
     g = torch.Generator().manual_seed(0)
@@ -64,20 +68,24 @@ def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, acc
                           str(tmp_path / "job.json"), str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    report({"format or method": "dspark (vLLM's reader and loader)", **result})
+    report({"format or method": f"{drafter} (vLLM's reader and loader)", **result})
     assert result["method"] == "dspark" and result["architectures"] == ["Qwen3DSparkModel"]
     assert result["aux_layer_ids"] == cfg.aux_layer_ids  # vLLM captures the layers the drafter was trained on
     assert result["mask_token_id"] == cfg.mask_token_id and result["sample_from_anchor"] is True
     assert result["markov_rank"] == cfg.markov_rank and result["confidence_head"] is True
     assert result["num_speculative_tokens"] == cfg.block_size
+    pruned = cfg.draft_vocab_size is not None
+    assert result["reduced_vocab"] is pruned and result["target_vocab_size"] == cfg.vocab_size
+    assert result["draft_vocab_size"] == (cfg.draft_vocab_size if pruned else cfg.vocab_size)
 
     theirs = load_file(str(tmp_path / "weights.safetensors"))
-    mine = {k: v for k, v in ours.state_dict().items() if not k.startswith("rotary_emb.")}
+    # t2d is training-only (vLLM skips it); vLLM names d2t draft_id_to_target_id
+    mine = {k: v for k, v in ours.state_dict().items() if not k.startswith("rotary_emb.") and k != "t2d"}
     used = set()
     for name, value in theirs.items():
-        if name in ("lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"):
+        if name in ("model.embed_tokens.weight", "model.mask_embedding") or (name == "lm_head.weight" and not pruned):
             continue  # shared with the target at run time, or vLLM's unused placeholder
-        base = name.removeprefix("model.")
+        base = "d2t" if name == "draft_id_to_target_id" else name.removeprefix("model.")
         if base.endswith("qkv_proj.weight"):
             parts = [base.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
         elif base.endswith("gate_up_proj.weight"):
@@ -85,7 +93,12 @@ def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, acc
         else:
             parts = [base]
         assert all(p in mine for p in parts), f"vLLM has {name}, draftsmith's checkpoint has no {parts}"
-        torch.testing.assert_close(value, torch.cat([mine[p] for p in parts]), msg=lambda m, n=name: f"{n}: {m}")
+        want = torch.cat([mine[p] for p in parts])
+        if name in ("lm_head.weight", "model.markov_head.markov_w2.weight") and value.shape[0] > want.shape[0]:
+            # ParallelLMHead pads its rows to a multiple of 64 (1,000 draft ids: 1,024 rows); the logits drop them
+            assert value.shape[0] == -(-want.shape[0] // 64) * 64, (name, value.shape)
+            value = value[:want.shape[0]]
+        torch.testing.assert_close(value, want, msg=lambda m, n=name: f"{n}: {m}")
         used.update(parts)
     assert used == set(mine), f"not loaded by vLLM: {sorted(set(mine) - used)}"
 
@@ -95,3 +108,9 @@ def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, acc
         torch.testing.assert_close(heads["markov_bias"], ours.markov_head.bias(inputs["hidden"], prev_embed))
         torch.testing.assert_close(heads["confidence"],
                                    torch.sigmoid(ours.confidence_head(inputs["hidden"], prev_embed)))
+        if pruned:  # vLLM's _sample_sequential step: draft-space logits, argmax, map_draft_to_target
+            logits = ours.lm_head(inputs["hidden"]) + ours.markov_head.bias(inputs["hidden"], prev_embed)
+            torch.testing.assert_close(heads["draft_logits"], logits)
+            assert torch.equal(heads["drafts"], ours.draft_to_target(logits.argmax(-1)))
+            assert torch.equal(theirs["draft_id_to_target_id"], ours.d2t)
+    assert ("draft_logits" in heads) is pruned

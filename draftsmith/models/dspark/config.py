@@ -12,6 +12,12 @@ Slot convention ("sample from anchor", DeepSpec's, the one vLLM and SGLang run):
 
 Mask slots are embedded by the target's frozen row of `mask_token_id` (never learned: SGLang always embeds with
 the target's own embedding). Target layers are output-of-layer ids, as DFlash's.
+
+Draft vocabulary (`draft_vocab_size`, vLLM's reduced-vocabulary DSpark): None, the default, reads the drafts out
+with the target's whole frozen head over its `vocab_size` tokens. A smaller size gives the drafter a frozen
+`lm_head` (draft_vocab_size, H) of the target's head rows of the selected ids, `d2t` (draft id i -> target id
+i + d2t[i]) and `t2d` as EAGLE-3 has them, and a Markov W2 over the draft ids; W1 stays over the target's vocabulary
+(it embeds the previous token, a target id). A size equal to the target's is the whole vocabulary (None).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class DsparkDrafterConfig(DflashDrafterConfig):
     markov_rank: int = 256
     markov_head: str = "vanilla"  # MARKOV_HEADS
     confidence_head: bool = True  # a confidence head over [h_k; W1[x_{k-1}]] (confidence_head_with_markov)
+    draft_vocab_size: int | None = None  # None: the target's whole vocabulary (module docstring)
     method: str = METHOD
 
     def __post_init__(self) -> None:
@@ -46,14 +53,33 @@ class DsparkDrafterConfig(DflashDrafterConfig):
             raise DflashConfigError(f"dspark.markov_head {self.markov_head!r}: one of {', '.join(MARKOV_HEADS)}")
         if self.markov_rank < 1:
             raise DflashConfigError(f"dspark.markov_rank {self.markov_rank}: must be >= 1")
+        if self.draft_vocab_size is not None:
+            if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
+                    or not 0 < self.draft_vocab_size <= self.vocab_size:
+                raise DflashConfigError(f"model.draft_vocab_size {self.draft_vocab_size!r}: must be an integer in "
+                                        f"1..{self.vocab_size} (the target's vocabulary), or null for all of it")
+            if self.draft_vocab_size == self.vocab_size:
+                self.draft_vocab_size = None  # the whole vocabulary: the target's head, no maps
+
+    @property
+    def pruned(self) -> bool:
+        """A draft vocabulary smaller than the target's: the drafter holds its own head rows and d2t / t2d."""
+        return self.draft_vocab_size is not None
+
+    @property
+    def head_size(self) -> int:
+        """Outputs of the draft head and of the Markov W2: the draft vocabulary's size."""
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_target(cls, target: PretrainedConfig, *, markov_rank: int = 256, markov_head: str = "vanilla",
-                    confidence_head: bool = True, **backbone: Any) -> "DsparkDrafterConfig":
+                    confidence_head: bool = True, draft_vocab_size: int | None = None,
+                    **backbone: Any) -> "DsparkDrafterConfig":
         """Draft layers shaped like the target's (DflashDrafterConfig.from_target's keywords) plus the heads."""
         base = DflashDrafterConfig.from_target(target, learned_mask=False, **backbone)
         fields = {k: v for k, v in base.to_dict().items() if k != "method"}
-        return cls(**fields, markov_rank=markov_rank, markov_head=markov_head, confidence_head=confidence_head)
+        return cls(**fields, markov_rank=markov_rank, markov_head=markov_head, confidence_head=confidence_head,
+                   draft_vocab_size=draft_vocab_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DsparkDrafterConfig":

@@ -13,6 +13,14 @@ first. Tensors: DFlash's, plus `markov_head.markov_w1.weight` (V, r), `markov_he
 target's). vLLM 0.32 builds only the vanilla Markov head. SGLang (0.5.17 to 0.5.23) builds its confidence head
 whatever `enable_confidence_head` says unless SGLANG_RAGGED_VERIFY_MODE is `static` (its default), and then refuses
 a checkpoint without `confidence_head.proj.*`: a drafter trained without the head serves in the default mode only.
+
+A pruned draft vocabulary (model.draft_vocab_size) exports as vLLM 0.32's reduced-vocabulary DSpark reads it
+(qwen3_dspark.py): top-level `draft_vocab_size` (< vocab_size), the drafter's own `lm_head.weight`
+(draft_vocab_size, H), `d2t` (int64 offsets: draft id i -> target id i + d2t[i], vLLM's draft_id_to_target_id; no
+t2d, which vLLM skips) and `markov_head.markov_w2.weight` (draft_vocab_size, r); markov_w1 stays (vocab_size, r).
+SGLang's DSpark always reads out with the target's whole head and has no d2t, so such an export is vLLM's only: the
+export warns, and its card and serve commands name vLLM alone. A whole-vocabulary export is unchanged: no
+draft_vocab_size, lm_head or d2t.
 """
 
 from __future__ import annotations
@@ -39,11 +47,21 @@ from draftsmith.models.checkpoint import (
 from draftsmith.models.dflash.export import AUX_IDS_KEY, check_block_config, expected_shapes, export_config
 from draftsmith.models.drafter_config import is_int
 from draftsmith.models.dspark.config import METHOD, SLOT_CONVENTION, DsparkDrafterConfig
+from draftsmith.models.dspark.io import VOCAB_MAP_DTYPES, check_draft_vocab
 from draftsmith.models.model_card import render_model_card
 
 ARCHITECTURE = "Qwen3DSparkModel"  # vLLM: qwen3_dspark.Qwen3DSparkForCausalLM; SGLang: models/dspark.py EntryClass
 TAGS = ["speculative-decoding", "dspark", "draftsmith", "vllm", "sglang"]
 VLLM_MARKOV_HEADS = ("vanilla",)  # Qwen3DSparkModel in vLLM 0.32.0 builds no gate
+SGLANG_PRUNED = ("draft_vocab_size {size} < vocab_size {vocab}: a pruned draft vocabulary serves in vLLM only "
+                 "(SGLang's DSpark reads out with the target's whole head and has no d2t); no SGLang command is "
+                 "offered")
+
+
+def pruned_size(config: dict[str, Any]) -> int | None:
+    """An export config's draft_vocab_size when it prunes the vocabulary, else None."""
+    size, vocab = config.get("draft_vocab_size"), config.get("vocab_size")
+    return size if is_int(size) and is_int(vocab) and size < vocab else None
 
 
 def dspark_export_config(config: DsparkDrafterConfig, step: int | None = None) -> dict[str, Any]:
@@ -59,6 +77,8 @@ def dspark_export_config(config: DsparkDrafterConfig, step: int | None = None) -
         "confidence_head_with_markov": config.confidence_head,
         "sample_from_anchor": True,
     })
+    if config.pruned:  # vLLM's reduced-vocabulary DSpark; a whole-vocabulary config has no such key
+        out["draft_vocab_size"] = config.draft_vocab_size
     out["draftsmith"].update({
         "method": METHOD,
         "slot_convention": SLOT_CONVENTION,
@@ -75,6 +95,11 @@ def expected_dspark_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int,
     h, v, r = config["hidden_size"], config["vocab_size"], config["markov_rank"]
     shapes["markov_head.markov_w1.weight"] = ((v, r), "(vocab_size, markov_rank)")
     shapes["markov_head.markov_w2.weight"] = ((v, r), "(vocab_size, markov_rank)")
+    draft = pruned_size(config)
+    if draft is not None:  # the drafter's own head and map over the draft ids (vLLM's reduced vocabulary)
+        shapes["markov_head.markov_w2.weight"] = ((draft, r), "(draft_vocab_size, markov_rank)")
+        shapes["lm_head.weight"] = ((draft, h), "(draft_vocab_size, hidden_size)")
+        shapes["d2t"] = ((draft,), "(draft_vocab_size,)")
     if config.get("markov_head_type") == "gated":
         shapes["markov_head.gate_proj.weight"] = ((r, h + r), "(markov_rank, hidden_size + markov_rank)")
         shapes["markov_head.gate_proj.bias"] = ((r,), "(markov_rank,)")
@@ -109,6 +134,11 @@ def check_dspark_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]
         warnings.append("no confidence head: SGLang builds one whatever enable_confidence_head says unless "
                         "SGLANG_RAGGED_VERIFY_MODE is static (its default), and then refuses this checkpoint "
                         "(missing confidence_head.proj.*): serve it in SGLang's default mode")
+    draft, vocab = config.get("draft_vocab_size"), config.get("vocab_size")
+    if draft is not None and (not is_int(draft) or draft < 1 or (is_int(vocab) and draft > vocab)):
+        problems.append(f"config draft_vocab_size: {draft!r}, expected an integer in 1..vocab_size {vocab}")
+    elif pruned_size(config) is not None:
+        warnings.append(SGLANG_PRUNED.format(size=draft, vocab=vocab))
     if config.get("enable_confidence_head") and config.get("confidence_head_with_markov") is not True:
         problems.append("config confidence_head_with_markov: must be true (the head reads [h; markov_w1[x]]); vLLM "
                         "reads a missing key as false and would size the head without the Markov input")
@@ -123,25 +153,29 @@ def check_dspark_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]
                                                                                          list)
     if not sizes_ok:
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
-    problems += check_tensors(expected_dspark_shapes(config), tensors)
+    problems += check_tensors(expected_dspark_shapes(config), tensors, VOCAB_MAP_DTYPES)
+    draft = pruned_size(config)
+    if draft is not None and "d2t" in tensors and tensors["d2t"].dtype == torch.int64:
+        problems += check_draft_vocab(tensors["d2t"], draft, config["vocab_size"])
     return problems, warnings
 
 
-def dspark_serve_commands(target: str, draft: str, block_size: int) -> dict[str, str]:
-    """Commands that serve `target` with this drafter at its full block (k = block_size drafts)."""
+def dspark_serve_commands(target: str, draft: str, block_size: int, pruned: bool = False) -> dict[str, str]:
+    """Commands that serve `target` with this drafter at its full block (k = block_size drafts); a pruned draft
+    vocabulary serves in vLLM only."""
     spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": block_size}, separators=(",", ":"))
     t, d = shlex.quote(target), shlex.quote(draft)
-    return {
-        "vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}",
-        "SGLang": (f"python -m sglang.launch_server --model {t} --speculative-algorithm DSPARK "
-                   f"--speculative-draft-model-path {d} --speculative-num-draft-tokens {block_size + 1}"),
-    }
+    commands = {"vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}"}
+    if not pruned:
+        commands["SGLang"] = (f"python -m sglang.launch_server --model {t} --speculative-algorithm DSPARK "
+                              f"--speculative-draft-model-path {d} --speculative-num-draft-tokens {block_size + 1}")
+    return commands
 
 
 def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
     """The serve commands of an exported folder's config.json (push re-renders its card with them)."""
     return dspark_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft,
-                                 config["block_size"])
+                                 config["block_size"], pruned=pruned_size(config) is not None)
 
 
 def export_dspark(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
@@ -155,17 +189,18 @@ def export_dspark(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, 
     cfg = config_for_export(ckpt, raw, DsparkDrafterConfig, METHOD, "dspark")
     notes = read_card_inputs(ckpt)
     config = dspark_export_config(cfg, step=notes.step)
-    tensors = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in state.items()}
+    tensors = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in state.items()
+               if name != "t2d"}  # a pruned vocabulary's t2d: training-only, vLLM skips it
     problems, warnings = check_dspark_export(config, tensors)
     if problems:
         raise ExportError(f"{ckpt}: refusing to export as dspark: " + "; ".join(problems))
     warnings += notes.warnings
     target = cfg.target_name_or_path or "TARGET"
-    commands = dspark_serve_commands(target, str(out_dir), cfg.block_size)
+    commands = dspark_serve_commands(target, str(out_dir), cfg.block_size, pruned=cfg.pruned)
     card = render_model_card(
         target=target,
         method="DSpark",
-        tags=TAGS,
+        tags=[t for t in TAGS if t != "sglang"] if cfg.pruned else TAGS,
         summary={
             "architecture": ARCHITECTURE,
             "draft layers": cfg.num_hidden_layers,
@@ -175,6 +210,8 @@ def export_dspark(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, 
             "confidence head": "yes (draftsmith's confidence_threshold; vLLM's enable_adaptive_verification)"
                                if cfg.confidence_head else "no",
             "mask": f"the target's embedding of token id {cfg.mask_token_id}",
+            **({"draft vocabulary": f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens (its own lm_head and d2t: "
+                                    "vLLM serves it, SGLang does not)"} if cfg.pruned else {}),
             "training step": notes.step if notes.step is not None else "unknown",
         },
         aux_layer_ids=[

@@ -3,9 +3,14 @@
 `speculators` (`speculators_model_type: dspark`), for the runtime (`load_drafter`) and `draftsmith import`.
 
 What draftsmith runs, it must be able to read without guessing: the slot convention has to be "sample from
-anchor" (config.py), the vocabulary the target's whole one, and the Markov head vanilla or gated. A folder that is
-otherwise (speculators' older fill-in slots, a pruned draft vocabulary, the RNN head) is refused with one line
-saying what it is, rather than run one position off.
+anchor" (config.py) and the Markov head vanilla or gated. A folder that is otherwise (speculators' older fill-in
+slots, the RNN head) is refused with one line saying what it is, rather than run one position off.
+
+A pruned draft vocabulary (`draft_vocab_size` < `vocab_size`, vLLM's reduced-vocabulary DSpark) is read as vLLM
+reads it: the folder's own `lm_head.weight` (draft_vocab_size, H) and `d2t` (draft id i -> target id i + d2t[i]),
+which must map into the target's vocabulary, one target id per draft id; a `t2d` there is ignored (vLLM skips it)
+and rebuilt from d2t. Without a pruned vocabulary the embedding, head and maps a folder may carry are the target's
+and are dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +42,33 @@ from draftsmith.models.dspark.spec import is_dspark
 from draftsmith.models.spec import output_from_capture
 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")  # draftsmith uses the target's
+DRAFT_VOCAB = ("lm_head.weight", "d2t", "t2d")  # a pruned vocabulary's own (t2d rebuilt from d2t)
+VOCAB_MAP_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}
+
+
+def check_draft_vocab(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> list[str]:
+    """Problems of a d2t (int64 offsets: draft id i -> target id i + d2t[i]) for a draft vocabulary of
+    `draft_vocab_size` ids inside a target vocabulary of `vocab_size`: one line each."""
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        return [f"d2t: shape {tuple(d2t.shape)}, expected ({draft_vocab_size},) = (draft_vocab_size,)"]
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        return [f"d2t: dtype {d2t.dtype}, expected integer offsets (int64: draft id i -> target id i + d2t[i])"]
+    ids = torch.arange(draft_vocab_size, dtype=torch.int64) + d2t.long().cpu()
+    if bool((ids < 0).any()) or bool((ids >= vocab_size).any()):
+        bad = int(((ids < 0) | (ids >= vocab_size)).nonzero()[0])
+        return [f"d2t maps draft id {bad} to target id {int(ids[bad])}, outside the target vocabulary "
+                f"0..{vocab_size - 1} (target id = draft id + d2t[draft id])"]
+    if ids.unique().numel() != draft_vocab_size:
+        return ["d2t maps two draft ids to the same target id: each draft id must name its own target token"]
+    return []
+
+
+def vocab_maps(d2t: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """d2t as int64 and the t2d mask (bool over the target vocabulary) it implies."""
+    d2t = d2t.to(torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.arange(d2t.numel(), dtype=torch.int64) + d2t] = True
+    return {"d2t": d2t, "t2d": t2d}
 
 
 def _lookup(config: dict[str, Any], key: str, *sections: str) -> Any:
@@ -63,10 +95,15 @@ def config_from_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
             "(slot k predicts the token after anchor + k); retrain it with speculators' sample_from_anchor true")
     vocab = cfg["vocab_size"]
     draft_vocab = cfg.get("draft_vocab_size") or vocab
-    if draft_vocab != vocab:
-        raise DrafterLoadError(f"draft_vocab_size {draft_vocab} < vocab_size {vocab}: a pruned draft vocabulary "
-                               "with its own head, which draftsmith's DSpark does not run (it reads out with the "
-                               "target's whole head)")
+    if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or not 0 < draft_vocab <= vocab:
+        raise DrafterLoadError(f"draft_vocab_size {draft_vocab!r}: expected an integer in 1..vocab_size {vocab}")
+    if draft_vocab < vocab:  # a pruned draft vocabulary: its own head and d2t, as vLLM loads them
+        have = {name.removeprefix("model.") for name in tensors}
+        missing = [name for name in ("lm_head.weight", "d2t") if name not in have]
+        if missing:
+            raise DrafterLoadError(f"draft_vocab_size {draft_vocab} < vocab_size {vocab}: a pruned draft vocabulary "
+                                   f"needs its own {' and '.join(missing)} (vLLM refuses it too): this folder has "
+                                   "none")
     ids = _lookup(cfg, "target_layer_ids", "dflash_config") or cfg.get("dspark_target_layer_ids")
     if ids is None and cfg.get("aux_hidden_state_layer_ids") is not None:  # speculators: capture ids
         ids = output_from_capture(cfg["aux_hidden_state_layer_ids"])
@@ -108,6 +145,7 @@ def config_from_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
             target_model_type=prov.get("target_model_type", ""), bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"), pad_token_id=cfg.get("pad_token_id"),
             markov_rank=rank, markov_head=head, confidence_head=confidence,
+            draft_vocab_size=draft_vocab if draft_vocab < vocab else None,
         )
     except (DflashConfigError, TypeError) as e:
         raise DrafterLoadError(str(e)) from None
@@ -117,16 +155,25 @@ def config_from_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
 
 
 def public_tensors(tensors: dict[str, torch.Tensor], config: DsparkDrafterConfig) -> dict[str, torch.Tensor]:
-    """draftsmith's names: the embedding, head and vocabulary maps shared with the target dropped, a `model.`
-    prefix removed, SpecForge's legacy `logit_head.` read as `markov_head.`, a confidence head left out when the
-    config leaves it out."""
+    """draftsmith's names: the embedding, head and vocabulary maps shared with the target dropped (a pruned
+    vocabulary keeps its head and d2t, and t2d is rebuilt from d2t), a `model.` prefix removed, SpecForge's legacy
+    `logit_head.` read as `markov_head.`, a confidence head left out when the config leaves it out."""
     out = {}
     for name, t in tensors.items():
         name = name.removeprefix("model.")
         name = "markov_head." + name[len("logit_head."):] if name.startswith("logit_head.") else name
+        if config.pruned and name in DRAFT_VOCAB:
+            if name != "t2d":
+                out[name] = t
+            continue
         if name in SHARED_WITH_TARGET or (name.startswith("confidence_head.") and not config.confidence_head):
             continue
         out[name] = t
+    if config.pruned:
+        problems = check_draft_vocab(out["d2t"], config.draft_vocab_size, config.vocab_size)
+        if problems:
+            raise DrafterLoadError(problems[0])
+        out.update(vocab_maps(out["d2t"], config.vocab_size))
     return out
 
 
@@ -137,9 +184,14 @@ def read_drafter_folder(path: str | Path) -> tuple[DsparkDrafterConfig, dict[str
     tensors = load_folder_tensors(folder)
     if raw.get("method") == METHOD:
         try:
-            return DsparkDrafterConfig.from_dict(raw), tensors, []
+            config = DsparkDrafterConfig.from_dict(raw)
         except (DflashConfigError, TypeError) as e:
             raise DrafterLoadError(f"{config_path}: {e}") from None
+        if config.pruned and "d2t" in tensors:
+            problems = check_draft_vocab(tensors["d2t"], config.draft_vocab_size, config.vocab_size)
+            if problems:
+                raise DrafterLoadError(f"{folder}: {problems[0]}")
+        return config, tensors, []
     if not is_dspark(raw):
         raise DrafterLoadError(f"{config_path}: not a DSpark drafter (no \"method\": \"dspark\", architectures "
                                f"{raw.get('architectures')}, speculators_model_type "
@@ -148,7 +200,10 @@ def read_drafter_folder(path: str | Path) -> tuple[DsparkDrafterConfig, dict[str
         config, notes = config_from_public(raw, tensors)
     except (DrafterLoadError, KeyError) as e:
         raise DrafterLoadError(f"{config_path}: {e}") from None
-    return config, public_tensors(tensors, config), notes
+    try:
+        return config, public_tensors(tensors, config), notes
+    except DrafterLoadError as e:
+        raise DrafterLoadError(f"{folder}: {e}") from None
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DsparkDrafter:
@@ -165,7 +220,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         raise CheckpointImportError(str(e)) from None
     if target:
         config.target_name_or_path = target
-    problems = check_tensors(module_shapes(DsparkDrafter(config), "from the config"), tensors)
+    problems = check_tensors(module_shapes(DsparkDrafter(config), "from the config"), tensors, VOCAB_MAP_DTYPES)
     if problems:
         raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
     return ImportedCheckpoint(config=config.to_dict(), tensors=tensors, notes=notes, step=provenance_step(public))

@@ -18,6 +18,16 @@ each term a weighted mean over the counted slots with weights exp(-k / gamma); t
 Both distributions are float32 softmaxes at temperature 1 over the target's whole vocabulary, read out one chunk of
 rows at a time (kernels/chunked_loss.row_losses). Metrics compare the draft's argmax with the target's (what greedy
 verification accepts).
+
+A pruned draft vocabulary (`draft_ids`, the V_d target ids the drafter can propose): p_d is a softmax over the draft
+ids only (the drafter's own head, the Markov bias over the draft ids), p_t still the target's whole head's softmax,
+and the L1 term is the full-vocabulary one, p_d being 0 outside the draft ids:
+
+    ||p_d - p_t||_1 = sum over draft ids i |p_d(i) - p_t(id_i)| + (1 - sum over draft ids p_t(id_i))
+
+so 1 - ||.||_1 / 2 stays the probability that verification accepts the slot's draft (the confidence target). The
+CE labels are draft ids; a label outside the draft vocabulary (-1) has no CE, and the CE's weighted mean runs over
+the counted slots whose label is inside (cross_entropy's ignore_index).
 """
 
 from __future__ import annotations
@@ -50,17 +60,30 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchor_posit
 
 
 def _slot_rows(hidden, labels, prev_embed, teacher_hidden, ce_coef, l1_coef, bce_coef, head_weight, markov_head,
-               confidence_head):
+               confidence_head, teacher_weight=None, draft_ids=None):
     """One chunk's weighted per-row loss and its results that carry no gradient (agreement with the target's
-    argmax, ||p_d - p_t||_1, the confidence)."""
+    argmax, ||p_d - p_t||_1, the confidence). With `draft_ids` (a pruned vocabulary) `head_weight` is the draft
+    head (V_d, H), `teacher_weight` the target's (V, H) and `labels` draft ids, -1 outside the draft vocabulary."""
     logits = F.linear(hidden.to(head_weight.dtype), head_weight).float()
-    logits = logits + markov_head.bias(hidden, prev_embed.to(hidden.dtype)).float()  # (M, V)
+    logits = logits + markov_head.bias(hidden, prev_embed.to(hidden.dtype)).float()  # (M, V_d)
     log_draft = logits.log_softmax(-1)
-    with torch.no_grad():
-        teacher_logits = F.linear(teacher_hidden.to(head_weight.dtype), head_weight).float()
-        teacher = teacher_logits.softmax(-1)
-    ce = -log_draft.gather(1, labels[:, None]).squeeze(1)
-    l1 = (log_draft.exp() - teacher).abs().sum(-1)
+    # argmax of a row holding NaN is the NaN's index, which can equal the label: such a row agrees with nothing
+    pred = logits.argmax(-1).masked_fill(~torch.isfinite(logits).all(-1), -1)
+    if draft_ids is None:
+        with torch.no_grad():
+            teacher_logits = F.linear(teacher_hidden.to(head_weight.dtype), head_weight).float()
+            teacher = teacher_logits.softmax(-1)
+        ce = -log_draft.gather(1, labels[:, None]).squeeze(1)
+        l1 = (log_draft.exp() - teacher).abs().sum(-1)
+    else:
+        with torch.no_grad():
+            teacher_logits = F.linear(teacher_hidden.to(teacher_weight.dtype), teacher_weight).float()  # (M, V)
+            teacher = teacher_logits.softmax(-1).index_select(1, draft_ids)  # (M, V_d)
+            outside = (1.0 - teacher.sum(-1)).clamp(min=0.0)  # p_t's mass the drafter can never propose
+        inside = labels >= 0
+        ce = torch.where(inside, -log_draft.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        l1 = (log_draft.exp() - teacher).abs().sum(-1) + outside
+        pred = torch.where(pred >= 0, draft_ids[pred.clamp(min=0)], -1)  # a target id
     row = ce_coef * ce + l1_coef * l1
     if confidence_head is not None:
         confidence = confidence_head(hidden, prev_embed)  # (M,) logits
@@ -69,26 +92,35 @@ def _slot_rows(hidden, labels, prev_embed, teacher_hidden, ce_coef, l1_coef, bce
         confidence = torch.sigmoid(confidence.detach())
     else:
         confidence = torch.full_like(l1, float("nan"))
-    # argmax of a row holding NaN is the NaN's index, which can equal the label: such a row agrees with nothing
-    pred = logits.argmax(-1).masked_fill(~torch.isfinite(logits).all(-1), -1)
     return row, pred == teacher_logits.argmax(-1), l1.detach(), confidence
 
 
 def dspark_loss(block_hidden, head_weight, markov_head, confidence_head, labels, prev_ids, valid, teacher_hidden,
                 *, ce_weight: float, l1_weight: float, confidence_weight: float, gamma: float,
-                chunk_size: int | None = None, loss_grad: LossGrad = "in_forward"):
+                chunk_size: int | None = None, loss_grad: LossGrad = "in_forward",
+                teacher_head_weight: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None):
     """block_hidden (B, N, B_k, H) final-normed slot states; head_weight (V, H) the target's frozen lm_head;
     labels, prev_ids, valid (B, N, B_k) from `block_targets`; teacher_hidden (M, H) the target's final-normed
-    states at the counted slots' teacher positions, in `valid`'s order. Returns (loss, metrics of 0-dim tensors):
+    states at the counted slots' teacher positions, in `valid`'s order. A pruned vocabulary (module docstring):
+    head_weight (V_d, H) the drafter's own head, teacher_head_weight (V, H) the target's, draft_ids (V_d,) the
+    target id of each draft id, labels draft ids (-1 outside the draft vocabulary; prev_ids stay target ids).
+    Returns (loss, metrics of 0-dim tensors):
     per slot i loss_i (the mean ||p_d - p_t||_1), acc_i, count_i; sim_accept_len; confidence_error (mean
     |c - (1 - ||p_d - p_t||_1 / 2)|, when there is a confidence head)."""
     w = slot_weights(valid.shape[-1], gamma, valid.device) * valid  # (B, N, B_k)
     w_rows = w[valid]
     scale = 1.0 / w.sum().clamp(min=1e-6)
-    rows = (block_hidden[valid], labels[valid], markov_head.embed(prev_ids[valid]), teacher_hidden,
-            ce_weight * scale * w_rows, l1_weight * scale * w_rows, confidence_weight * scale * w_rows)
-    joined = row_losses(_slot_rows, rows, head_weight, markov_head, confidence_head, chunk_size=chunk_size,
-                        vocab_size=head_weight.shape[0], loss_grad=loss_grad)
+    row_labels = labels[valid]
+    ce_rows = ce_weight * scale * w_rows
+    if draft_ids is not None:  # CE's weighted mean over the slots whose label is a draft id
+        inside = (row_labels >= 0).float()
+        ce_rows = ce_weight * w_rows * inside / (w_rows * inside).sum().clamp(min=1e-6)
+    rows = (block_hidden[valid], row_labels, markov_head.embed(prev_ids[valid]), teacher_hidden,
+            ce_rows, l1_weight * scale * w_rows, confidence_weight * scale * w_rows)
+    pruned = () if draft_ids is None else (teacher_head_weight, draft_ids)
+    joined = row_losses(_slot_rows, rows, head_weight, markov_head, confidence_head, *pruned, chunk_size=chunk_size,
+                        vocab_size=(head_weight if draft_ids is None else teacher_head_weight).shape[0],
+                        loss_grad=loss_grad)
     if joined is None:  # no slot counts in this batch
         loss = block_hidden.sum() * 0.0
         row_l1 = agree = confidence = block_hidden.new_zeros(0)

@@ -1,15 +1,21 @@
 """The DSpark drafter: DFlash's block backbone (models/dflash/model.py) read out through the target's frozen head
 plus a Markov bias, and a confidence head (config.py draws the slot layout).
 
-Shapes: H hidden size, V the target's vocabulary, r the Markov rank; h_k the backbone's final-normed state of slot
-k, x_{k-1} the token before slot k's prediction (the anchor for slot 0).
+Shapes: H hidden size, V the target's vocabulary, V_d the draft vocabulary (V unless `draft_vocab_size` prunes
+it), r the Markov rank; h_k the backbone's final-normed state of slot k, x_{k-1} the token before slot k's
+prediction (the anchor for slot 0), always a target id.
 
-    logits_k = lm_head(h_k) + markov_w2(g_k * markov_w1[x_{k-1}])     (V,)   g_k = 1 (vanilla) or
+    logits_k = lm_head(h_k) + markov_w2(g_k * markov_w1[x_{k-1}])     (V_d,) g_k = 1 (vanilla) or
                g_k = sigmoid(gate_proj([h_k; markov_w1[x_{k-1}]]))   (r,)   (gated)
     c_k      = sigmoid(confidence_head.proj([h_k; markov_w1[x_{k-1}]]))     predicted P(slot k is accepted)
 
+lm_head is the target's whole frozen head (not part of this module) or, with a pruned vocabulary, the drafter's
+own frozen `lm_head` (V_d, H) holding the target's rows of the draft ids; draft id i is target id i + d2t[i]
+(`d2t`, int64 offsets, and `t2d`, a bool mask over V, as EAGLE-3 names them and vLLM reads d2t).
+
 Tensor names are the engines' (vLLM's qwen3_dspark.py, SGLang's dspark.py, DeepSpec's): `markov_head.markov_w1`
-(an embedding of V rows), `markov_head.markov_w2` (V x r), `markov_head.gate_proj`, `confidence_head.proj`.
+(an embedding of V rows), `markov_head.markov_w2` (V_d x r), `markov_head.gate_proj`, `confidence_head.proj`, and
+for a pruned vocabulary `lm_head.weight` and `d2t` (vLLM's reduced-vocabulary Qwen3DSparkForCausalLM).
 """
 
 from __future__ import annotations
@@ -23,13 +29,13 @@ from draftsmith.models.dspark.config import DsparkDrafterConfig
 
 
 class MarkovHead(nn.Module):
-    """The low-rank transition bias of the previous token; `bias` adds it to logits (M, V) or returns it."""
+    """The low-rank transition bias of the previous token (a target id) over the draft vocabulary (M, V_d)."""
 
     def __init__(self, config: DsparkDrafterConfig):
         super().__init__()
         r = config.markov_rank
-        self.markov_w1 = nn.Embedding(config.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, config.vocab_size, bias=False)
+        self.markov_w1 = nn.Embedding(config.vocab_size, r)  # the previous token: a target id
+        self.markov_w2 = nn.Linear(r, config.head_size, bias=False)  # a bias over the draft ids
         self.gated = config.markov_head == "gated"
         if self.gated:
             self.gate_proj = nn.Linear(config.hidden_size + r, r)
@@ -39,7 +45,7 @@ class MarkovHead(nn.Module):
         return self.markov_w1(prev_ids)
 
     def bias(self, hidden: torch.Tensor, prev_embed: torch.Tensor) -> torch.Tensor:
-        """The (M, V) logit bias of rows with final-normed states `hidden` (M, H) and Markov embeddings (M, r)."""
+        """The (M, V_d) logit bias of rows with final-normed states `hidden` (M, H) and Markov embeddings (M, r)."""
         if self.gated:
             prev_embed = prev_embed * torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embed], dim=-1)))
         return self.markov_w2(prev_embed)
@@ -66,6 +72,36 @@ class DsparkDrafter(DflashDrafter):
         super().__init__(config)
         self.markov_head = MarkovHead(config)
         self.confidence_head = ConfidenceHead(config) if config.confidence_head else None
+        self.lm_head: nn.Linear | None = None  # the target's whole head, shared, unless the vocabulary is pruned
+        if config.pruned:
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (vLLM loads them as they are)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, target_head_weight: torch.Tensor) -> None:
+        """Take the draft vocabulary (d2t offsets, t2d mask) and start the head from the target's rows of it."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"draft vocab of shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} does not fit "
+                             f"{tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self.lm_head.weight.copy_(target_head_weight[self.draft_ids()].to(self.lm_head.weight.dtype))
+
+    def draft_ids(self) -> torch.Tensor:
+        """The target id of every draft id (V_d,): arange + d2t."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (vLLM's map_draft_to_target); the identity for the whole vocabulary."""
+        return draft_ids if self.lm_head is None else draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target ids, -1 where a target id is outside the draft vocabulary (pruned only)."""
+        index = torch.full((self.t2d.numel(),), -1, dtype=torch.long, device=self.d2t.device)
+        index[self.draft_ids()] = torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return index[target_ids]
 
 
 def init_heads(drafter: DsparkDrafter, std: float = 0.02) -> None:

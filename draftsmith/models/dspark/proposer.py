@@ -8,6 +8,10 @@ as vLLM queries it (`sample_from_anchor`: k queries, not the whole trained block
 
 so each draft conditions on the ones before it. Drafts are argmax (one-hot), lossless at any temperature.
 
+A pruned draft vocabulary (vLLM's `_sample_sequential`): lm_head is the drafter's own head over the draft ids and
+the Markov bias is over them too; the argmax, a draft id, is mapped to its target id (i + d2t[i], vLLM's
+map_draft_to_target), and that target id is both the draft and d_{i-1}, the token markov_w1 embeds next.
+
 `confidence_threshold` (draftsmith's key, not served by vLLM): a row's proposal ends before its first slot whose
 confidence sigmoid(w [h_i; markov_w1[d_{i-1}]]) is below the threshold, as DeepSpec's evaluation cuts it; the
 runtime then verifies (and counts) only the drafts kept.
@@ -29,7 +33,8 @@ class DsparkProposer(DflashProposer):
 
     def __init__(self, drafter: DsparkDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
                  confidence_threshold: float | None = None):
-        super().__init__(drafter, embed_tokens, lm_head)
+        # a pruned vocabulary reads out with the drafter's own head rows, the whole one with the target's
+        super().__init__(drafter, embed_tokens, lm_head if drafter.lm_head is None else drafter.lm_head)
         self.max_drafts = self.block_size  # every slot, the anchor's included, drafts
         if confidence_threshold is not None and drafter.confidence_head is None:
             raise DflashConfigError("speculative config: confidence_threshold needs the drafter's confidence head, "
@@ -63,6 +68,7 @@ class DsparkProposer(DflashProposer):
             prev_embed = markov.embed(prev)  # (B, r)
             logits = base[:, i] + markov.bias(hidden[:, i], prev_embed).float()
             score, prev = torch.log_softmax(logits, dim=-1).max(dim=-1)
+            prev = self.drafter.draft_to_target(prev)  # a target id: the draft, and the next slot's Markov input
             if self.confidence_threshold is not None:
                 confident.append(torch.sigmoid(confidence_head(hidden[:, i], prev_embed)) >= self.confidence_threshold)
             scores.append(score)

@@ -4,6 +4,10 @@ Defaults are DeepSpec's (`config/dspark/dspark_qwen3_8b.py`): blocks of 7, 5 dra
 512 anchors a sequence, a vanilla Markov head of rank 256, a confidence head that sees the Markov embedding, and
 the loss 0.1 CE + 0.9 L1 + 1.0 BCE with slot weights exp(-k / 4) (models/dspark/loss.py). Target layers are
 output-of-layer ids, as DFlash's (models/dflash/section.py), whose rules DSpark shares.
+
+`model.draft_vocab_size` (null by default: the target's whole vocabulary, read out with its own head) prunes the
+draft vocabulary to the most frequent answer tokens, as EAGLE-3's: vLLM serves such a drafter (its reduced-vocabulary
+Qwen3DSparkForCausalLM), SGLang does not (it always reads out with the target's whole head).
 """
 
 from __future__ import annotations
@@ -54,4 +58,12 @@ class DsparkSection(Section):
 
 
 def check_recipe(recipe: Any, target: Mapping[str, Any] | None) -> None:
+    """DFlash's block rules, and with the target's config a model.draft_vocab_size inside its vocabulary (null,
+    the default, reads out over the whole of it)."""
     check_block_recipe(recipe, target, "dspark")
+    vocab = target.get("vocab_size") if target else None
+    size = recipe.model.draft_vocab_size
+    if isinstance(vocab, int) and size is not None and size > vocab:
+        raise ValueError(f"model.draft_vocab_size ({size}) exceeds the target vocabulary ({vocab}): set "
+                         f"model.draft_vocab_size < {vocab} to prune DSpark's draft vocabulary (served by vLLM only), "
+                         "or null for the whole vocabulary")

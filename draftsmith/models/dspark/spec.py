@@ -33,7 +33,8 @@ SPEC = DrafterSpec(
     formats=(
         ExportFormat(
             name="dspark", layout="dspark",
-            help="Qwen3DSparkModel: vLLM with method dspark, SGLang with DSPARK (DeepSpec's layout)",
+            help="Qwen3DSparkModel: vLLM with method dspark, SGLang with DSPARK (DeepSpec's layout; a pruned "
+                 "draft vocabulary serves in vLLM only)",
             export="draftsmith.models.dspark.export:export_dspark",
             detect=is_dspark,
             read="draftsmith.models.dspark.io:import_folder",
@@ -43,6 +44,7 @@ SPEC = DrafterSpec(
     ),
     layer_convention="output",
     check_recipe=check_recipe,
+    draft_vocab=True,  # model.draft_vocab_size prunes it (vLLM's reduced-vocabulary DSpark); null keeps the whole
     # draftsmith's own: cut each proposal before its first slot the confidence head doubts (vLLM does not serve
     # it, so `draftsmith eval` never recommends it)
     runtime_keys={"confidence_threshold": _confidence_threshold},

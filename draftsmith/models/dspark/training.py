@@ -19,13 +19,17 @@ from draftsmith.train.flops import dflash_flops_per_token
 def dspark_flops_per_token(target_config, drafter_config, seq_len: int, anchors: int,
                            attention: str = "causal") -> dict[str, float]:
     """DFlash's count (every one of the B_k slots predicts, not B_k - 1) plus, per slot, the target's head on the
-    teacher state and, forward and backward, the Markov head's rank-r product over the vocabulary."""
+    teacher state and, forward and backward, the Markov head's rank-r product over the (draft) vocabulary; a pruned
+    vocabulary reads the drafts out through the draft head of V_d rows."""
     d = drafter_config
     terms = dflash_flops_per_token(target_config, d, seq_len, anchors, attention)
     slots = anchors * d.block_size / seq_len
-    head = 2 * d.hidden_size * d.vocab_size
     extra_slots = anchors / seq_len  # DFlash counts B_k - 1 slots a block
-    markov = 2 * d.markov_rank * d.vocab_size
+    head = 2 * d.hidden_size * d.head_size  # the draft head: the target's whole one unless the vocabulary is pruned
+    markov = 2 * d.markov_rank * d.head_size
+    if d.pruned:  # DFlash counted its B_k - 1 slots through the target's whole head, not the draft head
+        dropped = 2 * d.hidden_size * (d.vocab_size - d.head_size)
+        terms["drafter_forward_backward"] -= 2.0 * (slots - extra_slots) * dropped
     terms["teacher_head"] = 2.0 * target_config.hidden_size * target_config.vocab_size * slots
     terms["drafter_forward_backward"] += 2.0 * extra_slots * head + 3.0 * slots * markov
     terms["total"] = sum(v for k, v in terms.items() if k != "total")
@@ -55,7 +59,10 @@ class DsparkMethod:
             target_layer_ids=section.target_layer_ids, num_features=section.num_target_layers,
             mask_token_id=mask_id, target_name_or_path=recipe.model.target, markov_rank=section.markov_rank,
             markov_head=section.markov_head, confidence_head=section.confidence_head,
+            draft_vocab_size=recipe.model.draft_vocab_size,
         )
+        # the trainer builds the draft vocabulary of this size (None: the target's whole vocabulary, no maps)
+        self.draft_vocab_size = self.config.draft_vocab_size
         self.aux_layer_ids = self.config.aux_layer_ids
         self.num_anchors = section.anchors_per_sequence
         self.checkpoint_layers = section.checkpoint_layers
@@ -73,12 +80,16 @@ class DsparkMethod:
         return dspark_flops_per_token(self.target.config, self.config, seq_len, anchors)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> DsparkDrafter:
-        """An fp32 drafter (master weights). d2t/t2d are unused: DSpark reads out with the target's full head."""
+        """An fp32 drafter (master weights). With the whole vocabulary d2t/t2d are unused (it reads out with the
+        target's head); with a pruned one they are the drafter's, its frozen head the target's rows of them."""
         drafter = DsparkDrafter(self.config).to(self.target.device)
         drafter.checkpoint_layers = self.checkpoint_layers
         drafter.attention = self.attention
         init_drafter(drafter, self.target.embed_tokens.weight)
         init_heads(drafter)
+        if self.config.pruned:
+            drafter.set_draft_vocab(d2t.to(self.target.device), t2d.to(self.target.device),
+                                    self.target.lm_head.weight.float())
         return drafter
 
     def loss(self, drafter, batch: dict[str, torch.Tensor]):
@@ -97,5 +108,11 @@ class DsparkMethod:
         rows = teacher_at + torch.arange(b, device=teacher_at.device)[:, None, None] * s
         teacher_hidden = captured.last_hidden.reshape(b * s, h)[rows[valid]]  # (M, H)
         model = getattr(drafter, "module", drafter)
-        return dspark_loss(hidden, self.target.lm_head.weight, model.markov_head, model.confidence_head, labels,
-                           prev_ids, valid, teacher_hidden, **self.loss_options)
+        if model.lm_head is None:
+            return dspark_loss(hidden, self.target.lm_head.weight, model.markov_head, model.confidence_head, labels,
+                               prev_ids, valid, teacher_hidden, **self.loss_options)
+        # a pruned vocabulary: the drafter's head over its draft ids, the target's whole head for the teacher
+        return dspark_loss(hidden, model.lm_head.weight, model.markov_head, model.confidence_head,
+                           model.target_to_draft(labels), prev_ids, valid, teacher_hidden,
+                           teacher_head_weight=self.target.lm_head.weight, draft_ids=model.draft_ids(),
+                           **self.loss_options)
