@@ -18,8 +18,11 @@ from draftsmith.device import accelerator_type
 if accelerator_type() == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The real-vLLM tests need their own venv (`make interop`, which sets DRAFTSMITH_INTEROP=1).
+# The real-vLLM tests need their own venv (`make interop`, which sets DRAFTSMITH_INTEROP=1), and the SGLang ones
+# theirs (`make interop-sglang`, DRAFTSMITH_INTEROP_SGLANG=1).
 collect_ignore = [] if os.environ.get("DRAFTSMITH_INTEROP") == "1" else ["interop"]
+if os.environ.get("DRAFTSMITH_INTEROP_SGLANG") != "1":
+    collect_ignore.append("interop_sglang")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared next to the repo root
 FIXTURE_TARGET = SHARED / "fixtures" / "targets" / "sharegpt-llama-19m"
