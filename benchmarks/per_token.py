@@ -97,6 +97,7 @@ CONFIGS: dict[str, list[str]] = {
     # little time; at the same rate, and at twice it
     "fhw_kernels_32k": [*FHW_KERNELS, "training.tokens_per_step=32768"],
     "fhw_kernels_32k_lr2e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],
+    "fhw_kernels_32k_lr3e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=3e-3"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",
