@@ -64,7 +64,7 @@ class TrainingMethod(Protocol):
     # that normalise their loss by the global batch's token count; None on one process.
     count_mean: Callable[[torch.Tensor], torch.Tensor] | None
     # The draft vocabulary's size the trainer builds d2t / t2d for and hands to build_drafter (model.draft_vocab_size,
-    # or the method's default for it); None (or absent): the target's whole vocabulary.
+    # or the method's default for it); None: the target's whole vocabulary.
     draft_vocab_size: int | None
 
     def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:

@@ -543,7 +543,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     check_tokenizer_fits(len(tokenizer), target.vocab_size, recipe.model.target)
     method = method_class(recipe.model.method)(recipe, target)
     # the method's draft vocabulary (EAGLE-3's default fits the target; None: the target's whole vocabulary)
-    vocab_size = getattr(method, "draft_vocab_size", None) or target.vocab_size
+    vocab_size = method.draft_vocab_size or target.vocab_size
     for note in method.notes:
         log(note)
     if accelerator.num_processes > 1:

@@ -20,6 +20,7 @@ class EagleMethod:
         section = recipe.eagle
         self.target = target
         self.count_mean = None  # unused: the loss is normalised per process (TrainingMethod)
+        self.draft_vocab_size = None  # EAGLE-1 reads out with the target's whole head
         self.config = EagleConfig.from_target(target.config, fc_bias=section.fc_bias,
                                               target_name_or_path=recipe.model.target)
         # What capture hooks: id L, the last layer's output; the loss reads `last_hidden`, the same state after the
