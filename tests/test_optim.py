@@ -160,6 +160,20 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert opts[0].param_groups[0]["lr"] == 2e-3 and opts[1].param_groups[0]["lr"] == 1e-3
 
 
+def test_dsparks_markov_tables_stay_with_adamw_under_muon():
+    from draftsmith.models.dspark.model import DsparkDrafter
+    from test_dspark import tiny_config  # shared helper, same folder
+
+    drafter = DsparkDrafter(tiny_config(markov_head="gated"))
+    muon, adamw = muon_groups(drafter)
+    muon_names = {n for n, p in drafter.named_parameters() if any(p is q for q in muon)}
+    adamw_names = {n for n, p in drafter.named_parameters() if any(p is q for q in adamw)}
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= adamw_names
+    # the gate and the backbone's matrices are hidden matrices: Muon
+    assert "markov_head.gate_proj.weight" in muon_names and "fc.weight" in muon_names
+    assert "layers.0.self_attn.q_proj.weight" in muon_names
+
+
 def test_token_budget_batches_cover_the_epoch_with_little_padding():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 500, (400,), generator=g).tolist()

@@ -19,9 +19,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# 2D, but readouts over the vocabulary or vocabulary tables (EAGLE-3's head, DSpark's Markov W1 and W2): AdamW, not
-# Muon, which orthogonalises the hidden matrices
-ADAMW_ONLY = ("lm_head", "markov_head.markov_w")
 PROBING = "probing step time"  # the note of a plan still waiting for the probe
 SAFETY_MARGIN = 0.03  # of the time left, kept free when planning steps into a budget
 MEASURE_SKIP = 2  # probe steps not timed (first-call compilation, allocator warm-up)
@@ -29,12 +26,15 @@ MEASURE_SKIP = 2  # probe steps not timed (first-call compilation, allocator war
 
 def muon_groups(drafter: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(Muon parameters, AdamW parameters) of the trainable parameters: 2D matrices of size > 1 in both dimensions
-    other than the head go to Muon."""
+    go to Muon, but for those the drafter's class names in `adamw_only` (parts of parameter names): readouts over the
+    vocabulary and vocabulary tables (EAGLE-3's head, DSpark's Markov W1 and W2), which Muon's orthogonalisation,
+    meant for hidden matrices, does not suit."""
+    adamw_only = getattr(drafter, "adamw_only", ())  # an optional class attribute of the drafter (nn.Module)
     muon, adamw = [], []
     for name, param in drafter.named_parameters():
         if not param.requires_grad:
             continue
-        matrix = param.ndim == 2 and min(param.shape) > 1 and not any(part in name for part in ADAMW_ONLY)
+        matrix = param.ndim == 2 and min(param.shape) > 1 and not any(part in name for part in adamw_only)
         (muon if matrix else adamw).append(param)
     return muon, adamw
 

@@ -68,6 +68,8 @@ class DsparkDrafter(DflashDrafter):
     """The backbone's forward (training, all blocks at once) and draft_block (runtime) are DFlash's; every slot,
     the anchor's included, predicts (config.py)."""
 
+    adamw_only = ("markov_head.markov_w",)  # vocabulary tables stay with AdamW under training.optimizer=muon (optim.py)
+
     def __init__(self, config: DsparkDrafterConfig):
         super().__init__(config)
         self.markov_head = MarkovHead(config)

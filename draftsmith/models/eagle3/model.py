@@ -59,6 +59,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    adamw_only = ("lm_head",)  # the draft head (when trained) stays with AdamW under training.optimizer=muon (optim.py)
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
