@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draftsmith import device as dev  # noqa: E402
 from draftsmith.data.store import collect_rank, plan_batches, store_header, write_index  # noqa: E402
 from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
+from draftsmith.models.eagle3.section import default_aux_layer_ids  # noqa: E402
 from shapes import LLAMA_31_8B, TINY, random_target  # noqa: E402
 
 
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = {**TINY, "vocab_size": target.vocab_size} if args.tiny else LLAMA_31_8B  # the fixture's tokens
         device = dev.get_device()
         big = random_target(shape, target.dtype, device, "random-llama-3.1-8b-shape")
-        big_aux = big.default_aux_layer_ids()
+        big_aux = default_aux_layer_ids(big.num_layers)  # EAGLE-3's (vLLM's) capture ids
         chosen, total = [], 0
         for s in samples:
             if total >= args.shape_tokens:

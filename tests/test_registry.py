@@ -4,8 +4,10 @@ same calls a user's commands make. A method added to the registry is walked here
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,16 +125,13 @@ def test_every_method_trains_exports_imports_and_generates_losslessly(method, ti
         assert drafted.metrics.num_drafts > 0
 
 
-def test_the_package_has_no_import_circles():
-    """No module imports (at module level or inside a function) a module that imports it back, directly or round
-    a loop: a method folder reads shared code, never the other way round (the registry reaches methods only by
-    their spec modules and lazy entry points)."""
-    import ast
-    from pathlib import Path
+PACKAGE = Path(__file__).resolve().parents[1] / "draftsmith"
 
-    root = Path(__file__).resolve().parents[1] / "draftsmith"
-    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in root.rglob("*.py")}
+
+def import_graph() -> dict[str, set[str]]:
+    """draftsmith's modules -> the draftsmith modules each imports, at module level or inside a function."""
+    modules = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -143,6 +142,14 @@ def test_the_package_has_no_import_circles():
             else:
                 continue
             graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def test_the_package_has_no_import_circles():
+    """No module imports (at module level or inside a function) a module that imports it back, directly or round
+    a loop: a method folder reads shared code, never the other way round (the registry reaches methods only by
+    their spec modules and lazy entry points)."""
+    graph = import_graph()
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), [start]
@@ -157,3 +164,18 @@ def test_the_package_has_no_import_circles():
 
     circles = sorted((a, b) for a in graph for b in graph[a] if reaches(b, a))
     assert not circles, f"import circles: {circles}"
+
+
+def test_shared_code_imports_no_method_folder():
+    """Adding a method is its folder plus its registry line: outside the method folders (those with a spec.py)
+    only the registry imports them, and the quickstart, whose demo is an EAGLE-3 drafter by design."""
+    folders = {f"draftsmith.models.{p.parent.name}" for p in (PACKAGE / "models").glob("*/spec.py")}
+    assert {"draftsmith.models.eagle3", "draftsmith.models.dspark"} <= folders
+    allowed = {"draftsmith.models.registry", "draftsmith.quickstart"}
+
+    def in_folder(module: str) -> bool:
+        return any(module == f or module.startswith(f + ".") for f in folders)
+
+    arrows = sorted((a, b) for a, targets in import_graph().items() if not in_folder(a) and a not in allowed
+                    for b in targets if in_folder(b))
+    assert not arrows, f"shared modules importing a method folder: {arrows}"

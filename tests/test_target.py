@@ -69,6 +69,8 @@ def test_aux_id_out_of_range_is_a_clear_error():
     target = TargetModel(_tiny("llama"))
     with pytest.raises(TargetError, match="outside 0..4"):
         target.capture(torch.zeros(1, 3, dtype=torch.long), aux_layer_ids=[1, 5])
+    with pytest.raises(TypeError, match="needs aux_layer_ids"):  # each method names its own; no EAGLE-3 default
+        target.capture(torch.zeros(1, 3, dtype=torch.long))
 
 
 def test_static_step_ignores_stale_cache_entries():

@@ -20,6 +20,7 @@ from transformers.models.gemma4 import Gemma4Config, Gemma4TextConfig
 
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.ngram import NgramProposer
+from draftsmith.models.eagle3.section import default_aux_layer_ids
 from draftsmith.models.target import TargetError, TargetModel, context_length_of
 from test_batch import ChainOracle, assert_same_as_alone
 from test_graph_paths import recorded_graphs  # noqa: F401 - a fixture
@@ -127,7 +128,7 @@ def test_default_aux_layer_ids_follow_vllm_for_every_family():
     and gemma4.py do not override), in the capture convention; SGLang's output ids (each - 1) are the export's."""
     for name in (*ADAPTED, "gemma4", "phi3"):
         target = TargetModel(family_model(name, hidden=32, layers=12, std=0.0))
-        assert target.default_aux_layer_ids() == [2, 6, 9], name
+        assert default_aux_layer_ids(target.num_layers) == [2, 6, 9], name
 
 
 def test_each_family_gets_its_adapter_and_the_rest_the_generic_path(family):

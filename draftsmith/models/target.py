@@ -256,13 +256,6 @@ class TargetModel:
     def final_norm(self) -> nn.Module:
         return self._decoder.norm
 
-    def default_aux_layer_ids(self) -> list[int]:
-        # The one arrow from shared code into a method folder: the default is vLLM's EAGLE-3 rule, which lives with
-        # EAGLE-3's recipe section; a caller that names no method (tests, probes) gets the ids vLLM would use.
-        from draftsmith.models.eagle3.section import default_aux_layer_ids
-
-        return default_aux_layer_ids(self.num_layers)
-
     def check_drafter_fits(self, source, label: str, vocab_size: int, hidden_size: int, num_layers: int | None = None,
                            error: type[Exception] = ValueError) -> None:
         """Refuse a drafter trained for another target: its vocabulary, hidden size (and, for MTP, depth) must be
@@ -301,7 +294,9 @@ class TargetModel:
         Hooks record the input of each aux layer (and the last layer's output for id L), so only the requested
         layers are kept, not all L+1 hidden states.
         """
-        ids = self.check_aux_layer_ids(aux_layer_ids if aux_layer_ids is not None else self.default_aux_layer_ids())
+        if aux_layer_ids is None:  # each method names its own (its config's), in the capture convention
+            raise TypeError("TargetModel.capture needs aux_layer_ids: the capture ids of the method's config")
+        ids = self.check_aux_layer_ids(aux_layer_ids)
         recorded: dict[int, torch.Tensor] = {}
         handles = [layer_recorder(self.layers, i, recorded) for i in set(ids)]
         try:
