@@ -24,6 +24,9 @@
 #   OUT=$OUT FUSED_LOSS=1 BUDGET=570 bash benchmarks/gpu_kernels.sh   # the head losses' Triton kernel: its GPU
 #     tests (tests/test_fused_head_loss_gpu.py), then EAGLE-3 (FlexAttention) at 16 x 2048 and 4 x 8192 and DFlash
 #     (+ckpt) at 16 x 2048, each with and without +fusedloss side by side (gpu_kernels.json: fused_loss_vs_reference)
+#   OUT=$OUT TESTS=tests/test_fused_head_loss_gpu.py RUNS="dspark+ckpt+reference:2048x16 \
+#     dspark+ckpt+reference+fusedloss:2048x16" bash benchmarks/gpu_kernels.sh   # DSpark's loss kernel (CE + L1 with
+#     the Markov bias); FIXTURE_SHAPE=1 runs the fixture target's shape instead of the 8B one, SKIP_TESTS=1 no tests
 #   OUT=$OUT PROFILE=1 bash benchmarks/gpu_kernels.sh   # and after each run's timed steps one more step under the
 #     torch profiler (not in its figures): $OUT/profile/profile_<run>.txt, the top 30 by self device time, and the
 #     run's profile_top in train_8b_shape.json (its top 12 kernels, self ms, share of the step's device time, calls)
@@ -50,7 +53,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}"
   > "$OUT/gpu.txt"
 
 start=$SECONDS
-timeout "${TEST_SECONDS:-170}" "$PYTHON" -m pytest -v -p no:cacheprovider -m gpu --durations=10 \
+[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_SECONDS:-170}" "$PYTHON" -m pytest -v -p no:cacheprovider -m gpu --durations=10 \
   --junitxml="$OUT/gpu_tests.xml" $TESTS 2>&1 \
   | grep -v "Warning\|warn(" | tail -60 | tee "$OUT/gpu_tests.log"  # -v: each result as it comes, kept if cut short
 echo "gpu tests: $(( SECONDS - start )) s" | tee -a "$OUT/gpu_tests.log"
@@ -62,12 +65,12 @@ if [ "${PROFILE:-}" = 1 ]; then  # one more step of each run under the torch pro
 fi
 start=$SECONDS
 timeout "$(( $(left) - 15 ))" "$PYTHON" benchmarks/train_8b_shape.py --out "$OUT/train_8b_shape.json" --runs "$RUNS" \
-  --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" ${TINY:+--tiny} ${PROFILE_DIR:+--profile "$PROFILE_DIR"} 2>&1 \
+  --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" ${TINY:+--tiny} ${FIXTURE_SHAPE:+--fixture-shape} ${PROFILE_DIR:+--profile "$PROFILE_DIR"} 2>&1 \
   | grep -v "Warning\|warn(" \
   | tee "$OUT/train_8b_shape.log" | tail -30
 echo "train_8b_shape: $(( SECONDS - start )) s" | tee -a "$OUT/train_8b_shape.log"
 
-COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }${FUSED_LOSS:+FUSED_LOSS=1 }"\
+COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }${FIXTURE_SHAPE:+FIXTURE_SHAPE=1 }${SKIP_TESTS:+SKIP_TESTS=1 }${FUSED_LOSS:+FUSED_LOSS=1 }"\
 "${PROFILE_DIR:+PROFILE=1 }bash benchmarks/gpu_kernels.sh" \
   "$PYTHON" benchmarks/kernels_summary.py "$OUT"
 ls -la "$OUT"

@@ -10,6 +10,8 @@ from draftsmith.models.target import TargetModel
 LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                    tie_word_embeddings=False)
+FIXTURE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
+               head_dim=64, vocab_size=16000, max_position_embeddings=4096, tie_word_embeddings=True)  # sharegpt-llama-19m
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=False)  # a CPU smoke run
 

@@ -17,7 +17,8 @@ training.loss_kernel=fused, the head losses' Triton kernel (each run records its
 is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward
 pass). `dflash` runs DflashMethod.loss,
 `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with training.block_attention
-(default: auto, as the recipes; each run records its kernel in `block_attention`); `mtp` MtpMethod.loss (one new
+(default: auto, as the recipes; each run records its kernel in `block_attention`); `dspark` DsparkMethod.loss with
+the recipe defaults (the whole vocabulary), the same flags as dflash; `mtp` MtpMethod.loss (one new
 module, mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
 --warmup untimed; a run that runs out of memory or fails is recorded as such and the next one starts. MFU is
 counted with train/flops.py against the bf16 matrix rate measured in the same process (a large matmul) and against
@@ -49,7 +50,7 @@ from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss  # noqa: E40
 from draftsmith.models.target import TargetModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import LLAMA_31_8B, TINY, random_target  # noqa: E402
+from shapes import FIXTURE, LLAMA_31_8B, TINY, random_target  # noqa: E402
 
 
 ISSUE_PEAK_TFLOPS = 790.0
@@ -76,25 +77,26 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     seq, batch = (int(x) for x in shape.lower().split("x"))
     head, _, variant = head.partition("/")
     method, *flags = head.split("+")
-    if (method not in ("eagle3", "dflash", "mtp") or variant not in ("", "reference")
+    if (method not in ("eagle3", "dflash", "dspark", "mtp") or variant not in ("", "reference")
             or (variant and method != "eagle3") or any(f not in FLAGS for f in flags)
-            or (method == "dflash" and set(flags) - {"ckpt", "flex", "reference", "fusedloss"})
+            or (method in ("dflash", "dspark") and set(flags) - {"ckpt", "flex", "reference", "fusedloss"})
             or (method == "mtp" and set(flags) - {"fusedloss"})
             or {"flex", "reference"} <= set(flags) or (variant and {"flex", "reference"} & set(flags))):
         raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][+flex|+reference][+fusedloss][/reference]"
                          ":SEQxBATCH (/reference: the dense path, its own attention and loss), "
-                         "dflash[+ckpt][+flex|+reference][+fusedloss]:SEQxBATCH or mtp[+fusedloss]:SEQxBATCH")
+                         "dflash|dspark[+ckpt][+flex|+reference][+fusedloss]:SEQxBATCH or "
+                         "mtp[+fusedloss]:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 
 def training_keys(name: str, flags) -> dict:
-    """The training.KEY values a run's flags set: FLAGS for eagle3; for dflash +flex/+reference set
-    training.block_attention (its +ckpt is dflash.checkpoint_layers)."""
+    """The training.KEY values a run's flags set: FLAGS for eagle3; for dflash and dspark +flex/+reference set
+    training.block_attention (their +ckpt is dflash/dspark.checkpoint_layers)."""
     if name == "eagle3":
         return dict(FLAGS[f] for f in flags)
     fused = dict([FLAGS["fusedloss"]]) if "fusedloss" in flags else {}  # every method: the head losses' kernel
-    return {**fused, **({"block_attention": f for f in flags if f in ("flex", "reference")} if name == "dflash"
-                        else {})}
+    return {**fused, **({"block_attention": f for f in flags if f in ("flex", "reference")}
+                        if name in ("dflash", "dspark") else {})}
 
 
 def build_method(name: str, target: TargetModel, args, flags=()):
@@ -108,8 +110,8 @@ def build_method(name: str, target: TargetModel, args, flags=()):
                      "loss_chunk_size": args.loss_chunk,
                      **training_keys(name, flags)},
         "output_dir": "unused",
-        **({"dflash": {"mask_token_id": target.vocab_size - 1,  # no tokenizer
-                       "checkpoint_layers": "ckpt" in flags}} if name == "dflash" else {}),
+        **({name: {"mask_token_id": target.vocab_size - 1,  # no tokenizer
+                   "checkpoint_layers": "ckpt" in flags}} if name in ("dflash", "dspark") else {}),
     })
     method = method_class(name)(recipe, target)
     vocab = target.vocab_size
@@ -137,9 +139,8 @@ def chosen_kernels(method, drafter, dense: bool, seq: int, batch: int, args) -> 
     from draftsmith.kernels.chunked_loss import loss_chunk_rows
     from draftsmith.kernels.ttt_attention import query_block_for
 
-    loss_kernel = {"loss_kernel": method.loss_options["loss_kernel"] if hasattr(method, "loss_options")
-                   else method.loss_kernel}
-    if method.name == "dflash":
+    loss_kernel = {"loss_kernel": getattr(method, "loss_kernel", None) or method.loss_options["loss_kernel"]}
+    if method.name in ("dflash", "dspark"):
         return {"block_attention": drafter.attention, **loss_kernel}
     if method.name != "eagle3":
         return loss_kernel
@@ -225,8 +226,9 @@ def profile_step(train_step, text: str, device, folder: Path, result: dict) -> N
 def one_run(target, text, args, device, measured_peak) -> dict:
     name, reference, flags, seq, batch_size = parse_run(text)
     result = {"run": text, "method": name, "path": "reference" if reference else "trainer",
-              "training_keys": {**training_keys(name, flags), **({"dflash.checkpoint_layers": True}
-                                                                  if name == "dflash" and "ckpt" in flags else {})},
+              "training_keys": {**training_keys(name, flags), **({f"{name}.checkpoint_layers": True}
+                                                                  if name in ("dflash", "dspark") and "ckpt" in flags
+                                                                  else {})},
               "seq": seq, "batch": batch_size}
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, target.vocab_size, (batch_size, seq), generator=g).to(device),
@@ -302,6 +304,8 @@ def main(argv=None) -> int:
                                      "eagle3:8192x4 eagle3:32768x1 dflash:2048x16")
     p.add_argument("--layers", type=int, default=None, help="target decoder layers (default: the shape's own)")
     p.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke run")
+    p.add_argument("--fixture-shape", action="store_true",
+                   help="the fixture target's shape (sharegpt-llama-19m: hidden 384, 8 layers, vocabulary 16,000)")
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--query-block", type=int, default=None,
@@ -316,13 +320,13 @@ def main(argv=None) -> int:
                         "and the run's profile_top (its top 12 kernels by self device time)")
     args = p.parse_args(argv)
     device = dev.get_device()
-    shape = TINY if args.tiny else LLAMA_31_8B
-    if args.tiny:
-        args.draft_vocab = min(args.draft_vocab, 1024)
+    shape = TINY if args.tiny else FIXTURE if args.fixture_shape else LLAMA_31_8B
+    if args.tiny or args.fixture_shape:
+        args.draft_vocab = min(args.draft_vocab, shape["vocab_size"] // 2)
     layers = args.layers or shape["num_hidden_layers"]
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
-    target = random_target({**shape, "num_hidden_layers": layers}, dtype, device,
-                           f"random-llama-3.1-8b-shape-{layers}-layers")
+    name = "fixture-shape" if args.fixture_shape else "llama-3.1-8b-shape"
+    target = random_target({**shape, "num_hidden_layers": layers}, dtype, device, f"random-{name}-{layers}-layers")
     measured_peak = matmul_tflops(device)
     report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]),
               "target_shape": {**shape, "num_hidden_layers": layers},

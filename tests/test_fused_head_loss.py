@@ -266,6 +266,84 @@ def test_frozen_head_losses_with_the_kernel_equal_the_reference(name, launches):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@interpreting
+@pytest.mark.parametrize("markov_head, confidence_head", [("vanilla", True), ("gated", True), ("vanilla", False)])
+def test_dspark_loss_with_the_kernel_equals_the_reference(markov_head, confidence_head, monkeypatch):
+    """DSpark's CE + L1 through the kernel (the Markov head's bias inside the logits), the confidence term beside it,
+    chunks that do not divide the rows: loss, metrics and the gradients of the states, both Markov tables, the gate
+    and the confidence head equal the plain-torch chunks', each term alone and all three."""
+    from test_dspark import V, tiny_config, tiny_drafter
+
+    from draftsmith.models.dspark.loss import dspark_loss
+
+    calls = []
+    real = fhl._kernel
+    monkeypatch.setattr(fhl, "_kernel", lambda interpreted: calls.append(1) or real(interpreted))
+    cfg = tiny_config(markov_head=markov_head, confidence_head=confidence_head)
+    drafter = tiny_drafter(cfg).train()
+    g = torch.Generator().manual_seed(5)
+    head = torch.randn(V, cfg.hidden_size, generator=g)
+    b, n, bk = 2, 3, cfg.block_size
+    hidden = torch.randn(b, n, bk, cfg.hidden_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (b, n, bk), generator=g)
+    prev = torch.randint(0, V, (b, n, bk), generator=g)
+    valid = (torch.rand(b, n, bk, generator=g) > 0.2).int().cumprod(-1).bool()
+    teacher = torch.randn(int(valid.sum()), cfg.hidden_size, generator=g)
+    params = [hidden] + [p for p in drafter.parameters() if p.requires_grad]
+    names = ["hidden"] + [n for n, p in drafter.named_parameters() if p.requires_grad]
+    for terms in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.1, 0.9, 1.0)):
+        options = dict(zip(("ce_weight", "l1_weight", "confidence_weight"), terms), gamma=4.0, chunk_size=5)
+        results = {}
+        for backend in ("reference", "fused"):
+            loss, metrics = dspark_loss(hidden, head, drafter.markov_head, drafter.confidence_head, labels, prev,
+                                        valid, teacher, loss_kernel=backend, **options)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            results[backend] = loss, metrics, grads
+        (want, want_metrics, want_grads), (got, got_metrics, got_grads) = results["reference"], results["fused"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert set(got_metrics) == set(want_metrics)
+        for key in want_metrics:
+            torch.testing.assert_close(got_metrics[key].float(), want_metrics[key].float(), rtol=1e-5, atol=1e-6,
+                                       msg=key)
+        for name, a, b in zip(names, got_grads, want_grads):
+            if b is None:
+                assert a is None or not a.any(), name
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    assert calls  # the kernel ran
+
+
+@interpreting
+def test_dsparks_kernel_rows_with_ties_and_the_gradient_of_l1():
+    """Per row, the kernel's L1 and CE equal the plain ones, a row whose draft equals its teacher has L1 0 and
+    the CE gradient alone (torch.abs's gradient is 0 at 0), and the gradient of L1 equals autograd's."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 8, generator=g)
+    weight = torch.randn(37, 8, generator=g)
+    teacher_x = torch.randn(6, 8, generator=g)
+    teacher_x[2] = x[2]  # identical distributions: L1 0
+    u = torch.zeros(6, 3)
+    bias_weight = torch.zeros(37, 3)
+    labels = torch.randint(0, 37, (6,), generator=g)
+    row_weight = torch.rand(6, generator=g) + 0.5
+    xr = x.clone().requires_grad_(True)
+    total, l1, ce, pred, teacher_pred = fhl.ce_l1_head_loss(xr, u, bias_weight, weight, teacher_x, labels,
+                                                            row_weight, ce_weight=0.3, l1_weight=0.7, chunk_rows=4)
+    xw = x.clone().requires_grad_(True)
+    q, p = (xw @ weight.t()).softmax(-1), (teacher_x @ weight.t()).softmax(-1)
+    want_l1 = (q - p).abs().sum(-1)
+    want_ce = F.cross_entropy(xw @ weight.t(), labels, reduction="none")
+    want = (row_weight * (0.3 * want_ce + 0.7 * want_l1)).sum()
+    torch.testing.assert_close(l1, want_l1.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ce, want_ce.detach(), rtol=1e-5, atol=1e-6)
+    assert l1[2] < 1e-6 and pred[2] == teacher_pred[2]
+    torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-6)
+    got_grad, = torch.autograd.grad(total, xr)
+    want_grad, = torch.autograd.grad(want, xw)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+    assert torch.equal(teacher_pred, (teacher_x @ weight.t()).argmax(-1))
+
+
 # ---- selection -------------------------------------------------------------------------------------------------
 def test_the_backend_is_chosen_by_the_device_and_forced_by_the_key(monkeypatch):
     """auto takes the kernel on a GPU only where the method says it was measured (EAGLE-3's training); fused
@@ -304,9 +382,13 @@ def test_the_key_is_checked_and_reaches_every_method(fixture_target_dir):
     with pytest.raises(ValueError, match="set training.loss_grad=in_forward"):
         recipe("eagle3", loss_kernel="fused", loss_grad="recompute")
     target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
-    for method in ("eagle3", "mtp", "eagle", "dflash"):
+    for method in ("eagle3", "mtp", "eagle", "dflash", "dspark"):
         built = method_class(method)(recipe(method, loss_kernel="auto"), target)
-        chosen = built.loss_options["loss_kernel"] if hasattr(built, "loss_options") else built.loss_kernel
+        chosen = getattr(built, "loss_kernel", None) or built.loss_options["loss_kernel"]
         assert chosen == "reference", method
         with pytest.raises(ValueError, match="loss_kernel=fused needs a CUDA or ROCm GPU"):
             method_class(method)(recipe(method, loss_kernel="fused"), target)
+    pruned = recipe("dspark", loss_kernel="fused").model_copy(deep=True)
+    pruned.model.draft_vocab_size = 64  # DSpark's kernel reads out over the whole vocabulary only
+    with pytest.raises(ValueError, match="with model.draft_vocab_size set use training.loss_kernel=reference"):
+        method_class("dspark")(pruned, target)

@@ -128,3 +128,41 @@ def test_the_eagle3_training_step_with_the_kernel_on_gpu(kind):
     assert len(got_grads) == len(ref_grads)
     for got, ref in zip(got_grads, ref_grads):
         assert (got - ref).norm() <= 5e-2 * ref.norm() + 1e-6
+
+
+@pytest.mark.parametrize("vocab, hidden, rank, dtype", [(16000, 384, 256, torch.float32),
+                                                        (16000, 384, 256, torch.bfloat16),
+                                                        (128256, 4096, 256, torch.bfloat16)],
+                         ids=["fixture-fp32", "fixture-bf16", "8b-128k-bf16"])
+def test_dsparks_ce_l1_with_the_markov_bias_on_gpu(vocab, hidden, rank, dtype):
+    """DSpark's case: the target's frozen head plus the Markov head's rank-r bias, CE + L1 against the teacher read
+    out by the same head: the loss and the gradients of the states, the bias input and W2, in the trainer's chunks,
+    against plain torch with the products in the same dtype and in float32."""
+    from draftsmith.kernels.fused_head_loss import ce_l1_head_loss
+
+    device = dev.get_device("cuda")
+    g = torch.Generator(device=device).manual_seed(2)
+    rows = 2 * loss_chunk_rows(vocab, None) + 37
+    x = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hidden, device=device, generator=g) / hidden ** 0.5).to(dtype)
+    teacher_x = (x.float() + 0.5 * torch.randn(rows, hidden, device=device, generator=g)).to(dtype)
+    u = 0.3 * torch.randn(rows, rank, device=device, generator=g)
+    w2 = 0.1 * torch.randn(vocab, rank, device=device, generator=g)
+    labels = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    row_weight = torch.rand(rows, device=device, generator=g) / rows
+
+    def plain_loss(compute):
+        xr, ur, wr = (t.detach().clone().requires_grad_() for t in (x, u, w2))
+        z = (xr.to(compute) @ weight.to(compute).t()).float() + (ur.to(compute) @ wr.to(compute).t()).float()
+        with torch.no_grad():
+            p = (teacher_x.to(compute) @ weight.to(compute).t()).float().softmax(-1)
+        rows_loss = 0.1 * torch.nn.functional.cross_entropy(z, labels, reduction="none") \
+            + 0.9 * (z.softmax(-1) - p).abs().sum(-1)
+        total = (row_weight * rows_loss).sum()
+        return [total.detach(), *torch.autograd.grad(total, [xr, ur, wr])]
+
+    xr, ur, wr = (t.detach().clone().requires_grad_() for t in (x, u, w2))
+    total, *_ = ce_l1_head_loss(xr, ur.to(dtype), wr, weight, teacher_x, labels, row_weight, ce_weight=0.1,
+                                l1_weight=0.9, chunk_rows=loss_chunk_rows(vocab, None))
+    got = [total.detach(), *torch.autograd.grad(total, [xr, ur, wr])]
+    assert_close_in(dtype, got, plain_loss(dtype), plain_loss(torch.float32), ["loss", "x", "bias_x", "w2"])

@@ -2,10 +2,11 @@
 pass over each row's logits, which become their own gradient in place (issue 28).
 
 What it computes is kernels/chunked_loss.py's, which stays the reference and the fallback (NPU, CPU, the `recompute`
-path, DeepSpeed ZeRO-3 heads, DSpark's loss): per row of student states x (H,) read out by a head W (V, H),
+path, DeepSpeed ZeRO-3 heads, DSpark with a pruned vocabulary): per row of student states x (H,) read out by a head W (V, H),
 z = W x, against a teacher distribution p = softmax(t) whose logits t the caller has (EAGLE-3's teacher over the
 draft vocabulary) or that the same head reads out of teacher states (MTP, EAGLE-1, DFlash's soft CE: t = W x_t), or
-against a label (DFlash's CE): soft_ce, kl, lk (with its eta) or ce, as head_loss_triton.py writes them out.
+against a label (DFlash's CE): soft_ce, kl, lk (with its eta) or ce, as head_loss_triton.py writes them out; and
+DSpark's CE + L1 (`ce_l1_head_loss`), whose student logits carry the Markov head's low-rank bias.
 
 Per chunk, as Liger-Kernel's fused linear cross-entropy and fused linear JSD run (their `ops/fused_linear_*.py`):
 the head product z = x W^T by the BLAS (the chunk's (c, V) logits in the compute dtype, bf16 under autocast, are
@@ -23,8 +24,8 @@ scalar (MTP and DFlash weight each row later), has no LK, and returns no argmaxe
 Selection: `training.loss_kernel` (auto | fused | reference), resolved once per run by `resolve_backend` from
 device.fused_loss_kernel (CUDA and ROCm with Triton; DRAFTSMITH_FUSED_LOSS=0 keeps auto on the reference). auto
 takes the kernel only where the calling method says it was measured on the device (`measured`: the training.py
-of EAGLE-3, MTP and DFlash, whose 8B-shape runs at 16 x 2048 on an H200 ran 1.05x, 1.20x and 1.04x the tokens/s
-with the kernel at the same or lower peak memory, benchmarks/results/kernels_h200/), the reference elsewhere
+of EAGLE-3, MTP, DFlash and DSpark, whose 8B-shape runs at 16 x 2048 on an H200 ran 1.05x, 1.20x, 1.04x and 1.26x
+the tokens/s with the kernel at the same or lower peak memory, benchmarks/results/kernels_h200/), the reference elsewhere
 (EAGLE-1, not measured).
 """
 
@@ -112,7 +113,7 @@ def head_loss_chunk(x, weight, *, kind: str, teacher_logits=None, teacher_x=None
             logits, logits.stride(0), teacher if teacher is not None else logits,
             teacher.stride(0) if teacher is not None else 0,
             labels if labels is not None else student_arg, row_weight.float() if has_grad else loss,
-            loss, student_arg, teacher_arg, vocab, float(lk_eta),
+            loss, student_arg, teacher_arg, vocab, float(lk_eta), loss, 0.0, 0.0,
             KIND=KINDS[kind], HAS_GRAD=has_grad, BLOCK=block, num_warps=NUM_WARPS)
     grad_x = (logits @ w).to(x.dtype) if need_x_grad else None  # (c, H)
     grad_weight = (logits.t() @ x.to(dtype)).float() if need_weight_grad else None  # (V, H)
@@ -173,3 +174,72 @@ def head_loss_rows(x, weight, *, kind: str, teacher_logits=None, teacher_x=None,
     options = dict(kind=kind, teacher_logits=teacher_logits, teacher_x=teacher_x, labels=labels, lk_eta=lk_eta,
                    block=block)
     return _FusedHeadLoss.apply(x, weight, False, None, options)
+
+
+# ---- DSpark: CE + L1 over the target's head plus a low-rank bias -----------------------------------------------
+class _CeL1HeadLoss(torch.autograd.Function):
+    """sum_r row_weight[r] * (ce_weight * CE_r + l1_weight * ||q_r - p_r||_1), q = softmax(W x + B u), p =
+    softmax(W x_t), a chunk of rows at a time, every gradient taken in the forward pass (the head W is frozen; the
+    bias's input u and its weight B train)."""
+
+    @staticmethod
+    def forward(ctx, x, bias_x, bias_weight, weight, teacher_x, labels, row_weight, ce_weight: float,
+                l1_weight: float, chunk_rows: int):
+        need_x, need_bias_x, need_bias_weight = ctx.needs_input_grad[:3]
+        dtype = compute_dtype(x, weight)
+        w, bw = weight.to(dtype), bias_weight.to(dtype)
+        rows, vocab = x.shape[0], weight.shape[0]
+        l1 = torch.empty(rows, dtype=torch.float32, device=x.device)
+        ce = torch.empty_like(l1)
+        student_arg = torch.empty(rows, dtype=torch.int64, device=x.device)
+        teacher_arg = torch.empty_like(student_arg)
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_bias_x = torch.empty_like(bias_x) if need_bias_x else None
+        grad_bias_weight = torch.zeros(bias_weight.shape, dtype=torch.float32, device=x.device) \
+            if need_bias_weight else None
+        row_weight = row_weight.float().contiguous()
+        labels = labels.contiguous()
+        block = min(BLOCK, 1 << (vocab - 1).bit_length())
+        kernel = _kernel(x.device.type == "cpu")
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            u = bias_x[start:end].to(dtype)
+            logits = x[start:end].to(dtype) @ w.t()  # (c, V): becomes its gradient in the kernel
+            logits.addmm_(u, bw.t())
+            teacher = teacher_x[start:end].to(dtype) @ w.t()
+            kernel[(end - start,)](
+                logits, logits.stride(0), teacher, teacher.stride(0), labels[start:end], row_weight[start:end],
+                l1[start:end], student_arg[start:end], teacher_arg[start:end], vocab, 0.0, ce[start:end],
+                float(ce_weight), float(l1_weight), KIND=4, HAS_GRAD=True, BLOCK=block, num_warps=NUM_WARPS)
+            if need_x:
+                grad_x[start:end] = logits @ w
+            if need_bias_x:
+                grad_bias_x[start:end] = logits @ bw
+            if need_bias_weight:
+                grad_bias_weight += (logits.t() @ u).float()
+        total = (row_weight * (ce_weight * ce + l1_weight * l1)).sum()
+        saved = (grad_x, grad_bias_x, grad_bias_weight)
+        ctx.save_for_backward(*[g for g in saved if g is not None])
+        ctx.present = [g is not None for g in saved]
+        ctx.dtypes = (x.dtype, bias_x.dtype, bias_weight.dtype)
+        ctx.mark_non_differentiable(l1, ce, student_arg, teacher_arg)
+        return total, l1, ce, student_arg, teacher_arg
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        saved = iter(ctx.saved_tensors)
+        grads = [(next(saved) * grad_total).to(dtype) if present else None
+                 for present, dtype in zip(ctx.present, ctx.dtypes)]
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def ce_l1_head_loss(x, bias_x, bias_weight, weight, teacher_x, labels, row_weight, *, ce_weight: float,
+                    l1_weight: float, chunk_rows: int):
+    """DSpark's CE and L1 terms through the kernel (models/dspark/loss.py is the plain-torch reference): x (M, H)
+    the draft states and weight (V, H) the frozen head, bias_x (M, r) the Markov head's input and bias_weight (V, r)
+    its W2 (logits = W x + W2 bias_x), teacher_x (M, H) the target's states read out by the same head, labels (M,)
+    ids in [0, V), row_weight (M,). Returns (the weighted sum, with gradients for x, bias_x and bias_weight; per row
+    l1 = ||q - p||_1 (M,), CE (M,), student argmax (M,) (-1 where a logit is not finite), teacher argmax (M,) (-2
+    likewise)), holding one chunk's (chunk_rows, V) logits at a time."""
+    return _CeL1HeadLoss.apply(x, bias_x, bias_weight, weight, teacher_x, labels, row_weight, ce_weight, l1_weight,
+                               chunk_rows)

@@ -9,12 +9,15 @@ Per row r, with student logits z (V,), teacher logits t (V,) or a label y, q = s
               d alpha / dz_j = m_j q_j - q_j sum_x m_x q_x,  m = 1 where q < p, 1/2 where q = p (torch.minimum's
               gradient), 0 elsewhere
     ce      = lse(z) - z(y)                                           d/dz = q - onehot(y)
+    ce_l1   = a ce + b l1,  l1 = sum_x |q - p|  (DSpark's CE and L1 terms; LOSS holds l1, CE_OUT ce)
+              d/dz = a (q - onehot(y)) + b (q s - q sum_x q s),  s = sign(q - p) (torch.abs's gradient: 0 at 0)
 
 Pass 1 reads the row once, a BLOCK of the vocabulary at a time: online max and sum of exponentials for z and t (the
 running sums rescaled when the maximum moves), sum exp(t - m_t) z and sum exp(t - m_t) t for the cross terms, both
 argmaxes (first index of the maximum, as torch.argmax) and whether z or t holds a non-finite value. LK's pass 2 sums
 min(p, q) and m q, which need both normalisers. Pass 3 writes row_weight[r] * d loss_r / d z over z (z's dtype). A row
-whose weight is 0 (a masked position) gets a zero gradient even if its logits are not finite.
+whose weight is 0 (a masked position) gets a zero gradient even if its logits are not finite. CE_L1's pass 2 sums
+|q - p| and q s, which need both normalisers, as LK's does.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SOFT_CE, KL, LK, CE = 0, 1, 2, 3  # KIND
+SOFT_CE, KL, LK, CE, CE_L1 = 0, 1, 2, 3, 4  # KIND
 
 
 def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_ARG, TEACHER_ARG, V, lk_eta,
-                    KIND: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+                    CE_OUT, ce_w, l1_w, KIND: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * z_stride
     t_row = T + row * t_stride
@@ -68,7 +71,7 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
             e = tl.where(inside, tl.exp(t - new_mt), 0.0)
             s_t = s_t * rescale + tl.sum(e, axis=0)
             cross = cross * rescale + tl.sum(e * tl.where(inside, z, 0.0), axis=0)
-            if KIND != 0:
+            if KIND == 1 or KIND == 2:
                 self_t = self_t * rescale + tl.sum(e * tl.where(inside, t, 0.0), axis=0)
             m_t = new_mt
 
@@ -81,6 +84,10 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
         p_z = cross / s_t  # sum_x p(x) z(x)
         if KIND == 0:
             loss = lse_z - p_z
+        elif KIND == 4:
+            label = tl.load(LABELS + row)
+            ce = lse_z - tl.load(z_row + label).to(tl.float32)
+            loss = 0.0
         else:
             kl = self_t / s_t - lse_t - (p_z - lse_z)
             loss = kl
@@ -98,6 +105,17 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
             under += tl.sum(m * q, axis=0)
         w_kl = tl.exp(-lk_eta * alpha)
         loss = w_kl * kl + (1.0 - w_kl) * (1.0 - alpha)
+    qs = 0.0  # sum_x q_x sign(q_x - p_x)
+    if KIND == 4:
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < V
+            q = tl.exp(tl.load(z_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_z)
+            p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
+            loss += tl.sum(tl.abs(q - p), axis=0)
+            sign = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
+            qs += tl.sum(sign * q, axis=0)
+        tl.store(CE_OUT + row, ce)
 
     tl.store(LOSS + row, loss)
     tl.store(STUDENT_ARG + row, tl.where(bad_z > 0, -1, arg_z).to(tl.int64))
@@ -112,6 +130,10 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
             q = tl.exp(z - lse_z)
             if KIND == 3:
                 g = q - tl.where(cols == label, 1.0, 0.0)
+            elif KIND == 4:
+                p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
+                sign = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
+                g = ce_w * (q - tl.where(cols == label, 1.0, 0.0)) + l1_w * (q * sign - q * qs)
             else:
                 p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
                 g = q - p

@@ -28,6 +28,11 @@ and the L1 term is the full-vocabulary one, p_d being 0 outside the draft ids:
 so 1 - ||.||_1 / 2 stays the probability that verification accepts the slot's draft (the confidence target). The
 CE labels are draft ids; a label outside the draft vocabulary (-1) has no CE, and the CE's weighted mean runs over
 the counted slots whose label is inside (cross_entropy's ignore_index).
+
+`loss_kernel` "fused" (the whole vocabulary only) computes the CE and L1 terms with the Triton kernel of
+kernels/fused_head_loss.ce_l1_head_loss, every gradient (the states', the Markov head's) in the forward pass, and the
+confidence term in plain torch beside it: the same loss as the plain-torch chunks here, which stay the reference (NPU,
+CPU, the `recompute` path, a pruned vocabulary); those take the `recompute` path, since the Markov head trains.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.kernels.chunked_loss import LossGrad, row_losses
+from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, row_losses
+from draftsmith.kernels.fused_head_loss import ce_l1_head_loss
 from draftsmith.models.eagle3.loss import simulated_acceptance_length
 
 
@@ -98,7 +104,8 @@ def _slot_rows(hidden, labels, prev_embed, teacher_hidden, ce_coef, l1_coef, bce
 def dspark_loss(block_hidden, head_weight, markov_head, confidence_head, labels, prev_ids, valid, teacher_hidden,
                 *, ce_weight: float, l1_weight: float, confidence_weight: float, gamma: float,
                 chunk_size: int | None = None, loss_grad: LossGrad = "in_forward",
-                teacher_head_weight: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None):
+                teacher_head_weight: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None,
+                loss_kernel: str = "reference"):
     """block_hidden (B, N, B_k, H) final-normed slot states; head_weight (V, H) the target's frozen lm_head;
     labels, prev_ids, valid (B, N, B_k) from `block_targets`; teacher_hidden (M, H) the target's final-normed
     states at the counted slots' teacher positions, in `valid`'s order. A pruned vocabulary (module docstring):
@@ -115,18 +122,53 @@ def dspark_loss(block_hidden, head_weight, markov_head, confidence_head, labels,
     if draft_ids is not None:  # CE's weighted mean over the slots whose label is a draft id
         inside = (row_labels >= 0).float()
         ce_rows = ce_weight * w_rows * inside / (w_rows * inside).sum().clamp(min=1e-6)
+    if loss_kernel == "fused":
+        if draft_ids is not None:
+            raise ValueError("training.loss_kernel=fused reads DSpark's drafts out over the whole vocabulary: with "
+                             "model.draft_vocab_size set, use training.loss_kernel=reference")
+        joined = _fused_rows(block_hidden[valid], row_labels, markov_head, confidence_head, prev_ids[valid],
+                             teacher_hidden, head_weight, scale * w_rows, ce_weight=ce_weight, l1_weight=l1_weight,
+                             confidence_weight=confidence_weight, chunk_size=chunk_size)
+        return _with_metrics(joined, block_hidden, valid, confidence_head)
     rows = (block_hidden[valid], row_labels, markov_head.embed(prev_ids[valid]), teacher_hidden,
             ce_rows, l1_weight * scale * w_rows, confidence_weight * scale * w_rows)
     pruned = () if draft_ids is None else (teacher_head_weight, draft_ids)
     joined = row_losses(_slot_rows, rows, head_weight, markov_head, confidence_head, *pruned, chunk_size=chunk_size,
                         vocab_size=(head_weight if draft_ids is None else teacher_head_weight).shape[0],
                         loss_grad=loss_grad)
+    if joined is not None:
+        row_loss, agree, row_l1, confidence = joined
+        joined = row_loss.sum(), agree, row_l1, confidence
+    return _with_metrics(joined, block_hidden, valid, confidence_head)
+
+
+def _fused_rows(hidden, labels, markov_head, confidence_head, prev_ids, teacher_hidden, head_weight, row_weight, *,
+                ce_weight, l1_weight, confidence_weight, chunk_size):
+    """(loss, agreement, ||p_d - p_t||_1, confidence) of the counted slots, as the reference chunks give them, the
+    CE and L1 terms through the kernel; None when no slot counts."""
+    if hidden.shape[0] == 0:
+        return None
+    prev_embed = markov_head.embed(prev_ids)
+    total, row_l1, _, pred, teacher_pred = ce_l1_head_loss(
+        hidden, markov_head.bias_input(hidden, prev_embed.to(hidden.dtype)), markov_head.markov_w2.weight,
+        head_weight, teacher_hidden, labels, row_weight, ce_weight=ce_weight, l1_weight=l1_weight,
+        chunk_rows=loss_chunk_rows(head_weight.shape[0], chunk_size))
+    if confidence_head is None:
+        return total, pred == teacher_pred, row_l1, torch.full_like(row_l1, float("nan"))
+    logits = confidence_head(hidden, prev_embed)
+    want = (1.0 - 0.5 * row_l1).clamp(0.0, 1.0)
+    bce = F.binary_cross_entropy_with_logits(logits, want, reduction="none")
+    return total + (confidence_weight * row_weight * bce).sum(), pred == teacher_pred, row_l1, \
+        torch.sigmoid(logits.detach())
+
+
+def _with_metrics(joined, block_hidden, valid, confidence_head):
+    """(loss, metrics) from the counted slots' (loss, agreement, l1, confidence), or None when none counts."""
     if joined is None:  # no slot counts in this batch
         loss = block_hidden.sum() * 0.0
         row_l1 = agree = confidence = block_hidden.new_zeros(0)
     else:
-        row_loss, agree, row_l1, confidence = joined
-        loss = row_loss.sum()
+        loss, agree, row_l1, confidence = joined
     correct = torch.zeros_like(valid).masked_scatter(valid, agree.bool())
     l1 = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_scatter(valid, row_l1.float())
     metrics: dict[str, torch.Tensor] = {}

@@ -44,11 +44,15 @@ class MarkovHead(nn.Module):
         """W1[x_{k-1}]: (...,) token ids -> (..., r)."""
         return self.markov_w1(prev_ids)
 
-    def bias(self, hidden: torch.Tensor, prev_embed: torch.Tensor) -> torch.Tensor:
-        """The (M, V_d) logit bias of rows with final-normed states `hidden` (M, H) and Markov embeddings (M, r)."""
+    def bias_input(self, hidden: torch.Tensor, prev_embed: torch.Tensor) -> torch.Tensor:
+        """What markov_w2 reads (M, r): the Markov embeddings, gated by the states for `gated`."""
         if self.gated:
             prev_embed = prev_embed * torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embed], dim=-1)))
-        return self.markov_w2(prev_embed)
+        return prev_embed
+
+    def bias(self, hidden: torch.Tensor, prev_embed: torch.Tensor) -> torch.Tensor:
+        """The (M, V_d) logit bias of rows with final-normed states `hidden` (M, H) and Markov embeddings (M, r)."""
+        return self.markov_w2(self.bias_input(hidden, prev_embed))
 
 
 class ConfidenceHead(nn.Module):
