@@ -4,7 +4,7 @@ bfloat16, row counts and vocabularies off the kernel's blocks, masked rows, each
 hard CE), then every method's loss with the kernel against the same loss without it. The compiled kernel is checked
 the same way on the GPU (tests/test_fused_head_loss_gpu.py).
 
-Skipped where Triton is not installed (it is not a dependency: `pip install triton` runs them) or where it runs its
+Skipped where Triton is not installed (the `dev` extra installs it on x86-64 Linux, as CI runs) or where it runs its
 compiler (a GPU machine: tests/conftest.py sets TRITON_INTERPRET=1 on CPU machines only, before Triton is imported).
 """
 
