@@ -313,6 +313,29 @@ def test_dspark_loss_with_the_kernel_equals_the_reference(markov_head, confidenc
     assert calls  # the kernel ran
 
 
+def test_dspark_keeps_a_zero3_markov_head_on_the_reference(monkeypatch):
+    """A DeepSpeed ZeRO-3 Markov head (its parameters partitioned outside the module's forward) is never read by the
+    kernel: the loss takes the plain-torch chunks and equals them."""
+    from test_dspark import V, tiny_config, tiny_drafter
+
+    from draftsmith.models.dspark.loss import dspark_loss
+
+    monkeypatch.setattr(fhl, "_kernel", lambda interpreted: pytest.fail("the kernel read a partitioned table"))
+    cfg = tiny_config()
+    drafter = tiny_drafter(cfg).train()
+    drafter.markov_head.markov_w2.weight.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(1, 2, cfg.block_size, cfg.hidden_size, generator=g)
+    labels = torch.randint(0, V, (1, 2, cfg.block_size), generator=g)
+    valid = torch.ones(1, 2, cfg.block_size, dtype=torch.bool)
+    teacher = torch.randn(int(valid.sum()), cfg.hidden_size, generator=g)
+    head = torch.randn(V, cfg.hidden_size, generator=g)
+    losses = [dspark_loss(hidden, head, drafter.markov_head, drafter.confidence_head, labels, labels, valid, teacher,
+                          ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0, gamma=4.0, loss_kernel=kernel)[0]
+              for kernel in ("fused", "reference")]
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
 @interpreting
 def test_dsparks_kernel_rows_with_ties_and_the_gradient_of_l1():
     """Per row, the kernel's L1 and CE equal the plain ones, a row whose draft equals its teacher has L1 0 and

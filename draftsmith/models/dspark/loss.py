@@ -32,7 +32,8 @@ the counted slots whose label is inside (cross_entropy's ignore_index).
 `loss_kernel` "fused" (the whole vocabulary only) computes the CE and L1 terms with the Triton kernel of
 kernels/fused_head_loss.ce_l1_head_loss, every gradient (the states', the Markov head's) in the forward pass, and the
 confidence term in plain torch beside it: the same loss as the plain-torch chunks here, which stay the reference (NPU,
-CPU, the `recompute` path, a pruned vocabulary); those take the `recompute` path, since the Markov head trains.
+CPU, the `recompute` path, a pruned vocabulary, a DeepSpeed ZeRO-3 Markov head); those take the `recompute` path,
+since the Markov head trains.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, row_losses
+from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, row_losses, sharded_by_deepspeed
 from draftsmith.kernels.fused_head_loss import ce_l1_head_loss
 from draftsmith.models.eagle3.loss import simulated_acceptance_length
 
@@ -122,10 +123,11 @@ def dspark_loss(block_hidden, head_weight, markov_head, confidence_head, labels,
     if draft_ids is not None:  # CE's weighted mean over the slots whose label is a draft id
         inside = (row_labels >= 0).float()
         ce_rows = ce_weight * w_rows * inside / (w_rows * inside).sum().clamp(min=1e-6)
-    if loss_kernel == "fused":
-        if draft_ids is not None:
-            raise ValueError("training.loss_kernel=fused reads DSpark's drafts out over the whole vocabulary: with "
-                             "model.draft_vocab_size set, use training.loss_kernel=reference")
+    if loss_kernel == "fused" and draft_ids is not None:
+        raise ValueError("training.loss_kernel=fused reads DSpark's drafts out over the whole vocabulary: with "
+                         "model.draft_vocab_size set, use training.loss_kernel=reference")
+    # the kernel reads the Markov table W2 outside its module's forward: a ZeRO-3 partition of it is not the table
+    if loss_kernel == "fused" and not sharded_by_deepspeed(list(markov_head.parameters())):
         joined = _fused_rows(block_hidden[valid], row_labels, markov_head, confidence_head, prev_ids[valid],
                              teacher_hidden, head_weight, scale * w_rows, ce_weight=ce_weight, l1_weight=l1_weight,
                              confidence_weight=confidence_weight, chunk_size=chunk_size)
