@@ -123,11 +123,9 @@ def dspark_loss(block_hidden, head_weight, markov_head, confidence_head, labels,
     if draft_ids is not None:  # CE's weighted mean over the slots whose label is a draft id
         inside = (row_labels >= 0).float()
         ce_rows = ce_weight * w_rows * inside / (w_rows * inside).sum().clamp(min=1e-6)
-    if loss_kernel == "fused" and draft_ids is not None:
-        raise ValueError("training.loss_kernel=fused reads DSpark's drafts out over the whole vocabulary: with "
-                         "model.draft_vocab_size set, use training.loss_kernel=reference")
-    # the kernel reads the Markov table W2 outside its module's forward: a ZeRO-3 partition of it is not the table
-    if loss_kernel == "fused" and not sharded_by_deepspeed(list(markov_head.parameters())):
+    # the kernel reads out over the whole vocabulary (a pruned one stays here: DsparkMethod refuses `fused` for it),
+    # and reads the Markov table W2 outside its module's forward: a ZeRO-3 partition of it is not the table
+    if loss_kernel == "fused" and draft_ids is None and not sharded_by_deepspeed(list(markov_head.parameters())):
         joined = _fused_rows(block_hidden[valid], row_labels, markov_head, confidence_head, prev_ids[valid],
                              teacher_hidden, head_weight, scale * w_rows, ce_weight=ce_weight, l1_weight=l1_weight,
                              confidence_weight=confidence_weight, chunk_size=chunk_size)
