@@ -14,10 +14,10 @@ Per row r, with student logits z (V,), teacher logits t (V,) or a label y, q = s
 
 Pass 1 reads the row once, a BLOCK of the vocabulary at a time: online max and sum of exponentials for z and t (the
 running sums rescaled when the maximum moves), sum exp(t - m_t) z and sum exp(t - m_t) t for the cross terms, both
-argmaxes (first index of the maximum, as torch.argmax) and whether z or t holds a non-finite value. LK's pass 2 sums
-min(p, q) and m q, which need both normalisers. Pass 3 writes row_weight[r] * d loss_r / d z over z (z's dtype). A row
-whose weight is 0 (a masked position) gets a zero gradient even if its logits are not finite. CE_L1's pass 2 sums
-|q - p| and q s, which need both normalisers, as LK's does.
+argmaxes (first index of the maximum, as torch.argmax) and whether z or t holds a non-finite value. Pass 2, LK's and
+CE_L1's only, sums what needs both normalisers: min(p, q) and m q (LK), |q - p| and q s (CE_L1). Pass 3 writes
+row_weight[r] * d loss_r / d z over z (z's dtype). A row whose weight is 0 (a masked position) gets a zero gradient
+even if its logits are not finite.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
             rescale = tl.exp(m_t - new_mt)
             e = tl.where(inside, tl.exp(t - new_mt), 0.0)
             s_t = s_t * rescale + tl.sum(e, axis=0)
-            cross = cross * rescale + tl.sum(e * tl.where(inside, z, 0.0), axis=0)
+            if KIND != 4:
+                cross = cross * rescale + tl.sum(e * tl.where(inside, z, 0.0), axis=0)
             if KIND == 1 or KIND == 2:
                 self_t = self_t * rescale + tl.sum(e * tl.where(inside, t, 0.0), axis=0)
             m_t = new_mt
@@ -81,40 +82,40 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
         loss = lse_z - tl.load(z_row + label).to(tl.float32)
     else:
         lse_t = m_t + tl.log(s_t)
-        p_z = cross / s_t  # sum_x p(x) z(x)
-        if KIND == 0:
-            loss = lse_z - p_z
-        elif KIND == 4:
+        if KIND == 4:
             label = tl.load(LABELS + row)
             ce = lse_z - tl.load(z_row + label).to(tl.float32)
-            loss = 0.0
         else:
-            kl = self_t / s_t - lse_t - (p_z - lse_z)
-            loss = kl
+            p_z = cross / s_t  # sum_x p(x) z(x)
+            if KIND == 0:
+                loss = lse_z - p_z
+            else:
+                kl = self_t / s_t - lse_t - (p_z - lse_z)
+                loss = kl
 
-    alpha = 0.0
-    under = 0.0  # sum_x m_x q_x
-    if KIND == 2:
+    alpha = 0.0  # LK: sum_x min(p, q) and sum_x m_x q_x
+    under = 0.0
+    l1 = 0.0  # CE_L1: sum_x |q - p| and sum_x q_x sign(q_x - p_x)
+    qs = 0.0
+    if KIND == 2 or KIND == 4:  # the sums that need both normalisers
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < V
             q = tl.exp(tl.load(z_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_z)
             p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
-            alpha += tl.sum(tl.minimum(p, q), axis=0)
-            m = tl.where(q < p, 1.0, tl.where(q == p, 0.5, 0.0))
-            under += tl.sum(m * q, axis=0)
+            if KIND == 2:
+                alpha += tl.sum(tl.minimum(p, q), axis=0)
+                m = tl.where(q < p, 1.0, tl.where(q == p, 0.5, 0.0))
+                under += tl.sum(m * q, axis=0)
+            else:
+                l1 += tl.sum(tl.abs(q - p), axis=0)
+                sign = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
+                qs += tl.sum(sign * q, axis=0)
+    if KIND == 2:
         w_kl = tl.exp(-lk_eta * alpha)
         loss = w_kl * kl + (1.0 - w_kl) * (1.0 - alpha)
-    qs = 0.0  # sum_x q_x sign(q_x - p_x)
     if KIND == 4:
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            inside = cols < V
-            q = tl.exp(tl.load(z_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_z)
-            p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
-            loss += tl.sum(tl.abs(q - p), axis=0)
-            sign = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
-            qs += tl.sum(sign * q, axis=0)
+        loss = l1
         tl.store(CE_OUT + row, ce)
 
     tl.store(LOSS + row, loss)
@@ -130,16 +131,16 @@ def _head_loss_rows(Z, z_stride, T, t_stride, LABELS, ROW_WEIGHT, LOSS, STUDENT_
             q = tl.exp(z - lse_z)
             if KIND == 3:
                 g = q - tl.where(cols == label, 1.0, 0.0)
-            elif KIND == 4:
-                p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
-                sign = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
-                g = ce_w * (q - tl.where(cols == label, 1.0, 0.0)) + l1_w * (q * sign - q * qs)
             else:
                 p = tl.exp(tl.load(t_row + cols, mask=inside, other=-inf).to(tl.float32) - lse_t)
-                g = q - p
-                if KIND == 2:
-                    m = tl.where(q < p, 1.0, tl.where(q == p, 0.5, 0.0))
-                    g = w_kl * g - (1.0 - w_kl) * (m * q - q * under)
+                if KIND == 4:
+                    sign = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
+                    g = ce_w * (q - tl.where(cols == label, 1.0, 0.0)) + l1_w * (q * sign - q * qs)
+                else:
+                    g = q - p
+                    if KIND == 2:
+                        m = tl.where(q < p, 1.0, tl.where(q == p, 0.5, 0.0))
+                        g = w_kl * g - (1.0 - w_kl) * (m * q - q * under)
             g = tl.where(weight != 0.0, g * weight, 0.0)
             tl.store(z_row + cols, g.to(Z.dtype.element_ty), mask=inside)
 
