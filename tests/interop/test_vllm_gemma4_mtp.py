@@ -12,7 +12,10 @@ selection, which a CPU cannot ("Tried to instantiate dummy base class CUDAGraph"
   (8) matters;
 - with it, the test records vLLM's own refusal (after its loader took the export's weights) and runs vLLM's own
   centroid head (`Gemma4MTPMaskedEmbedder.get_top_tokens`) on the export's tensors against draftsmith's served
-  argmax.
+  argmax;
+- with it, on vLLM's V2 model runner (its Gemma4Speculator, eager: no CUDA graphs), the runner's Triton kernels
+  interpreted on the CPU (vllm_job.use_triton_interpreter), the export is served as without it: equal outputs and
+  counters.
 
 Run: DRAFTSMITH_INTEROP=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
          tests/interop/test_vllm_gemma4_mtp.py -s
@@ -29,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_gemma4_mtp import fine_tuned, random_assistant, random_target, write_checkpoint
-from vllm_engine import VllmError, report, load_problems, run_vllm
+from vllm_engine import V2_RUNNER, VllmError, load_problems, report, run_vllm
 
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.metrics import SpecDecodingMetrics
@@ -65,14 +68,19 @@ def scene(tmp_path_factory):
     plain = SpeculativeGenerator(target, None, 0)
     answers = [plain.generate(torch.tensor([p]), NEW_TOKENS, eos).token_ids for p in prompts]
 
+    made = {}
+
     def make(centroids: int | None):
+        if centroids in made:  # trained once per module
+            return made[centroids]
         hf = random_assistant(vocab, centroids=centroids, top_k=4, max_positions=1024, **CPU_SHAPES)
         width = min(len(a) for a in answers)  # the target's own greedy continuations: what it will say
         drafter, _, _ = fine_tuned(target, hf, [p + a[:width] for p, a in zip(prompts, answers)], steps=80)
         name = f"centroids-{centroids}"
         checkpoint = write_checkpoint(root / name / "checkpoint-1", drafter)
         export_gemma4_mtp(checkpoint, root / name / "export", dtype=None)
-        return checkpoint, root / name / "export"
+        made[centroids] = checkpoint, root / name / "export"
+        return made[centroids]
 
     return root / "target", target, prompts, answers, eos, make
 
@@ -89,18 +97,22 @@ def draftsmith_run(target, prompts, spec: dict, eos):
     return outputs, {key: total.to_dict()[key] for key in COUNTERS}
 
 
-def test_vllm_serves_the_export_losslessly_with_draftsmiths_counters(scene):
+def check_served(scene, centroids: int | None, name: str, triton_interpreter: bool = False):
+    """Serve the export of an assistant with `centroids` (None: no centroid head) in vLLM and assert: its weights load
+    in full, vLLM's outputs equal plain greedy decoding and draftsmith's, and vLLM's counters equal draftsmith's run
+    of the training checkpoint."""
     folder, target, prompts, answers, eos, make = scene
-    checkpoint, export = make(None)
+    checkpoint, export = make(centroids)
     started = time.time()
     outputs, counters, lines = run_vllm(str(folder), prompts, {"method": "mtp", "model": str(export),
-                                                               "num_speculative_tokens": K}, max_tokens=NEW_TOKENS)
+                                                               "num_speculative_tokens": K}, max_tokens=NEW_TOKENS,
+                                        triton_interpreter=triton_interpreter)
     seconds = time.time() - started
     ours, our_counters = draftsmith_run(target, prompts, {"method": "gemma4_mtp", "model": str(checkpoint),
                                                           "num_speculative_tokens": K}, eos)
     theirs = {k: counters.get(k) for k in COUNTERS}
     problems = load_problems(lines, drafter=True)
-    report({"format or method": "gemma4_mtp (vLLM method mtp)", "loads": not problems,
+    report({"format or method": name, "loads": not problems,
                       "outputs equal": outputs == answers == ours, "counters equal": theirs == our_counters,
                       "vLLM counters": theirs, "draftsmith counters": our_counters, "CPU seconds": round(seconds, 1)})
     assert not problems, problems
@@ -109,6 +121,20 @@ def test_vllm_serves_the_export_losslessly_with_draftsmiths_counters(scene):
     assert outputs == answers, "vLLM's speculative outputs differ from plain greedy decoding"
     assert theirs == our_counters, "vLLM's spec-decode counters differ from draftsmith's run of the training checkpoint"
     assert counters["num_accepted_tokens"] > 0, "the assistant accepted nothing in vLLM: the check would be empty"
+    return lines
+
+
+def test_vllm_serves_the_export_losslessly_with_draftsmiths_counters(scene):
+    check_served(scene, None, "gemma4_mtp (vLLM method mtp)")
+
+
+def test_vllm_v2_runner_serves_the_centroid_head_losslessly_with_draftsmiths_counters(scene):
+    """The centroid head on vLLM's V2 model runner (its Gemma4Speculator records no CUDA graphs in eager mode), its
+    Triton kernels interpreted on the CPU (vllm_job.use_triton_interpreter)."""
+    lines = check_served(scene, 16, "gemma4_mtp with centroid head (vLLM's V2 runner, Triton interpreted)",
+                         triton_interpreter=True)
+    assert any(V2_RUNNER in line for line in lines)
+    assert any("Gemma4 MTP: centroids masking enabled" in line for line in lines)
 
 
 def test_vllm_cpu_refuses_the_centroid_head_and_its_centroid_head_agrees_with_ours(scene):
