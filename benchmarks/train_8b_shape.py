@@ -12,14 +12,15 @@ with fp32 master weights and AdamW, as accelerate's bf16 mixed precision does), 
 block and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_attention`, `query_block`,
 `loss_chunk_rows`); `+flex` and `+reference` force training.ttt_attention (FlexAttention, or the plain-torch blocked
 reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` training.compile_drafter (compilations, the
-FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (eagle3, dflash, mtp) sets
+FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (every method) sets
 training.loss_kernel=fused, the head losses' Triton kernel (each run records its `loss_kernel`). `eagle3/reference`
 is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward
 pass). `dflash` runs DflashMethod.loss,
 `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with training.block_attention
 (default: auto, as the recipes; each run records its kernel in `block_attention`); `dspark` DsparkMethod.loss with
 the recipe defaults (the whole vocabulary), the same flags as dflash; `mtp` MtpMethod.loss (one new
-module, mtp.num_depths from the recipe default). Each run trains a fresh drafter for --steps optimizer steps, the first
+module, mtp.num_depths from the recipe default); `eagle` EagleMethod.loss (EAGLE-1: one decoder layer, smooth-L1 to
+the next state + soft CE through the target's whole head). Each run trains a fresh drafter for --steps optimizer steps, the first
 --warmup untimed; a run that runs out of memory or fails is recorded as such and the next one starts. MFU is
 counted with train/flops.py against the bf16 matrix rate measured in the same process (a large matmul) and against
 790 TFLOP/s (the H200 figure the issue measured). `--profile DIR` runs one more step after each run's timed ones
@@ -77,15 +78,15 @@ def parse_run(text: str) -> tuple[str, bool, list[str], int, int]:
     seq, batch = (int(x) for x in shape.lower().split("x"))
     head, _, variant = head.partition("/")
     method, *flags = head.split("+")
-    if (method not in ("eagle3", "dflash", "dspark", "mtp") or variant not in ("", "reference")
+    if (method not in ("eagle3", "eagle", "dflash", "dspark", "mtp") or variant not in ("", "reference")
             or (variant and method != "eagle3") or any(f not in FLAGS for f in flags)
             or (method in ("dflash", "dspark") and set(flags) - {"ckpt", "flex", "reference", "fusedloss"})
-            or (method == "mtp" and set(flags) - {"fusedloss"})
+            or (method in ("mtp", "eagle") and set(flags) - {"fusedloss"})
             or {"flex", "reference"} <= set(flags) or (variant and {"flex", "reference"} & set(flags))):
         raise SystemExit(f"--runs: {text!r} is not eagle3[+ckpt][+compile][+flex|+reference][+fusedloss][/reference]"
                          ":SEQxBATCH (/reference: the dense path, its own attention and loss), "
                          "dflash|dspark[+ckpt][+flex|+reference][+fusedloss]:SEQxBATCH or "
-                         "mtp[+fusedloss]:SEQxBATCH")
+                         "mtp|eagle[+fusedloss]:SEQxBATCH")
     return method, variant == "reference", flags, seq, batch
 
 

@@ -170,8 +170,8 @@ class TrainingConfig(BaseModel):
     # logits into their gradient in place (EAGLE-3, MTP, EAGLE-1, DFlash, DSpark; CUDA and ROCm; needs loss_grad
     # in_forward); reference = the plain-torch chunked loss (kernels/chunked_loss.py), which Gemma 4 MTP and DSpark
     # with a pruned vocabulary always take. auto = the kernel on a GPU for the methods it was measured for (EAGLE-3,
-    # MTP, DFlash, DSpark: 1.05x, 1.20x, 1.04x, 1.26x tokens/s at the 8B shape), the reference elsewhere (EAGLE-1;
-    # DRAFTSMITH_FUSED_LOSS=0 keeps auto there for good). Both compute the same loss.
+    # EAGLE-1, MTP, DFlash, DSpark: 1.05x, 1.10x, 1.20x, 1.04x, 1.26x tokens/s at the 8B shape), the reference
+    # elsewhere (DRAFTSMITH_FUSED_LOSS=0 keeps auto there for good). Both compute the same loss.
     loss_kernel: Literal["auto", "fused", "reference"] = "auto"
     # DFlash's and DSpark's block attention kernel (kernels/block_attention.py), the same choices: reference = SDPA
     # with a dense (B, N*B_k, S + N*B_k) mask; flex = FlexAttention over a block mask built from the anchors (only

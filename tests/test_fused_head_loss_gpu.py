@@ -166,3 +166,35 @@ def test_dsparks_ce_l1_with_the_markov_bias_on_gpu(vocab, hidden, rank, dtype):
                                 l1_weight=0.9, chunk_rows=loss_chunk_rows(vocab, None))
     got = [total.detach(), *torch.autograd.grad(total, [xr, ur, wr])]
     assert_close_in(dtype, got, plain_loss(dtype), plain_loss(torch.float32), ["loss", "x", "bias_x", "w2"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eagle1s_loss_with_the_kernel_on_gpu(dtype):
+    """EAGLE-1's case (models/eagle/loss.py): smooth-L1 to the next state plus soft CE to the target's next-token
+    distribution through its frozen head, the teacher read out of the next state by the same head: the fused
+    kernel against the plain-torch chunks, the loss, its terms and the gradient of the drafter's outputs, at the
+    fixture's shape (hidden 384, vocabulary 16,000) with rows off the chunk."""
+    from draftsmith.models.eagle.loss import eagle_loss
+
+    device = dev.get_device("cuda")
+    g = torch.Generator(device=device).manual_seed(3)
+    batch, seq, hidden, vocab = 3, 700, 384, 16000
+    head = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, device=device, generator=g) / hidden ** 0.5)
+    head.requires_grad_(False)
+    last_hidden = torch.randn(batch, seq, hidden, device=device, generator=g).to(dtype)
+    out = (last_hidden.roll(-1, 1).float() + 0.5 * torch.randn(batch, seq, hidden, device=device, generator=g))
+    loss_mask = (torch.rand(batch, seq, device=device, generator=g) < 0.8).long()
+    results = {}
+    for backend in ("reference", "fused"):
+        x = out.detach().to(dtype).requires_grad_()
+        loss, metrics = eagle_loss(x, last_hidden, loss_mask, head, chunk_size=None, loss_kernel=backend)
+        results[backend] = (loss.detach(), metrics, torch.autograd.grad(loss, x)[0])
+    (ref_loss, ref_metrics, ref_grad), (got_loss, got_metrics, got_grad) = results["reference"], results["fused"]
+    tolerance = 5e-3 if dtype == torch.float32 else 3e-2
+    for key in ("regression_loss", "ce_loss"):
+        assert abs(float(got_metrics[key]) - float(ref_metrics[key])) <= tolerance * abs(float(ref_metrics[key])), key
+    assert relative_error(got_loss, ref_loss) <= tolerance
+    assert abs(float(got_metrics["acc_0"]) - float(ref_metrics["acc_0"])) <= 0.01
+    assert relative_error(got_grad, ref_grad) <= tolerance

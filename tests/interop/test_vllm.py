@@ -26,14 +26,14 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accept
 COUNTED: dict[str, tuple[dict, dict]] = {}  # check()'s name -> (vLLM's counters, draftsmith's), kept on failure too
 
 
-def draftsmith_run(target, prompts, spec: dict, eos) -> tuple[list[list[int]], dict]:
+def draftsmith_run(target, prompts, spec: dict, eos, max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], dict]:
     """(outputs, counters) of draftsmith's runtime with the vLLM speculative config `spec`."""
     config = parse_spec_config(spec, "cpu")
     generator = SpeculativeGenerator(target, build_proposer(config, target), config.num_speculative_tokens)
     total = SpecDecodingMetrics(config.num_speculative_tokens)
     outputs = []
     for prompt in prompts:
-        result = generator.generate(torch.tensor([prompt]), MAX_TOKENS, eos)
+        result = generator.generate(torch.tensor([prompt]), max_tokens, eos)
         outputs.append(result.token_ids)
         total = total.merge(result.metrics)
     return outputs, {key: total.to_dict()[key] for key in COUNTERS}
@@ -52,14 +52,15 @@ def plain_vllm(fixture_prompts):
 
 
 def check(name, fixture_prompts, plain_vllm, spec: dict, *, checkpoint: Path | None, model=None,
-          max_num_seqs=None):
+          max_num_seqs=None, triton_interpreter: bool = False):
     """Run vLLM on `spec` (its "model" the export) and draftsmith on the same config with "model" the training
     `checkpoint` the export came from (None for model-free methods); assert loading, outputs and counters; record a
-    matrix row."""
+    matrix row. `plain_vllm` is vLLM's plain decoding on the same runner (`triton_interpreter`: the V2 runner,
+    vllm_job.use_triton_interpreter). Returns vLLM's counters, draftsmith's, and vLLM's log lines."""
     target, _, prompts, answers, eos = fixture_prompts
     started = time.time()
     outputs, counters, lines = run_vllm(target.name_or_path, prompts, spec if model is None else None, model=model,
-                                        max_num_seqs=max_num_seqs)
+                                        max_num_seqs=max_num_seqs, triton_interpreter=triton_interpreter)
     seconds = time.time() - started
     ours, our_counters = draftsmith_run(target, prompts, spec if checkpoint is None else
                                         {**spec, "model": str(checkpoint)}, eos)
@@ -78,7 +79,7 @@ def check(name, fixture_prompts, plain_vllm, spec: dict, *, checkpoint: Path | N
     assert {k: counters.get(k) for k in COUNTERS} == our_counters, (
         "vLLM's spec-decode counters differ from draftsmith's run of the training checkpoint")
     assert counters["num_accepted_tokens"] > 0, "the drafter accepted nothing in vLLM: the check would be empty"
-    return counters, our_counters
+    return counters, our_counters, lines
 
 
 def test_the_load_check_needs_the_line_that_shows_the_drafter_loaded():

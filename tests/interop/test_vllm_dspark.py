@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_vllm import COUNTERS, draftsmith_run, tau
-from vllm_engine import V2_RUNNER, VllmError, load_problems, report, run_vllm
+from test_vllm import check
+from vllm_engine import V2_RUNNER, VllmError, report, run_vllm
 
 REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
 
@@ -130,24 +130,13 @@ def plain_v2(fixture_prompts):
 def test_dspark_in_vllms_v2_runner_with_triton_interpreted(fixture_prompts, accepting_drafter, plain_v2, tmp_path,
                                                            drafter):
     """vLLM's V2 model runner, where vLLM serves DSpark, run on this CPU with its Triton kernels interpreted
-    (vllm_job.use_triton_interpreter): the export loads in full, vLLM's greedy DSpark output equals its plain
-    decoding and draftsmith's, and its spec-decode counters equal draftsmith's run of the training checkpoint; for
-    the whole vocabulary and a pruned one (1,000 draft ids and d2t)."""
-    target, _, prompts, answers, eos = fixture_prompts
+    (vllm_job.use_triton_interpreter): test_vllm.check's assertions (the export loads in full, vLLM's greedy DSpark
+    output equals its plain decoding on the same runner and draftsmith's, its spec-decode counters equal
+    draftsmith's run of the training checkpoint), for the whole vocabulary and a pruned one (1,000 draft ids and
+    d2t), and both runs really took the V2 runner."""
     checkpoint, draft = _export(accepting_drafter, tmp_path / "dspark", drafter)
-    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
     plain, plain_lines = plain_v2
-    outputs, counters, lines = run_vllm(target.name_or_path, prompts, spec, triton_interpreter=True)
-    counters = {k: counters.get(k) for k in COUNTERS}
-    ours, our_counters = draftsmith_run(target, prompts, {**spec, "model": str(checkpoint)}, eos)
-    problems = load_problems(lines, drafter=True)
-    report({"format or method": f"{drafter} (vLLM's V2 runner, Triton interpreted)", "loads": not problems,
-            "outputs equal": outputs == plain == ours, "counters equal": counters == our_counters,
-            "vLLM tau": round(tau(counters), 3), "draftsmith tau": round(tau(our_counters), 3)})
+    *_, lines = check(f"{drafter} (vLLM's V2 runner, Triton interpreted)", fixture_prompts, plain,
+                      {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3},
+                      checkpoint=checkpoint, triton_interpreter=True)
     assert any(V2_RUNNER in line for line in lines) and any(V2_RUNNER in line for line in plain_lines)
-    assert not problems, problems
-    assert plain == answers  # vLLM's plain decoding on its V2 runner is draftsmith's plain decoding, float32
-    assert outputs == plain, "vLLM's DSpark outputs differ from its plain decoding"
-    assert ours == plain, "draftsmith's DSpark outputs differ from vLLM's plain decoding"
-    assert counters == our_counters, "vLLM's spec-decode counters differ from draftsmith's run of the checkpoint"
-    assert counters["num_accepted_tokens"] > 0, "the drafter accepted nothing in vLLM: the check would be empty"

@@ -32,15 +32,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_gemma4_mtp import fine_tuned, random_assistant, random_target, write_checkpoint
+from test_vllm import COUNTERS, draftsmith_run
 from vllm_engine import V2_RUNNER, VllmError, load_problems, report, run_vllm
 
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.metrics import SpecDecodingMetrics
-from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.gemma4_mtp.export import export_gemma4_mtp
 from draftsmith.models.target import TargetModel
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 K = 3
 NEW_TOKENS = 24
 CPU_SHAPES = dict(head_dim=32, global_head_dim=64)  # head dims vLLM's CPU attention takes
@@ -85,18 +83,6 @@ def scene(tmp_path_factory):
     return root / "target", target, prompts, answers, eos, make
 
 
-def draftsmith_run(target, prompts, spec: dict, eos):
-    config = parse_spec_config(spec, "cpu")
-    generator = SpeculativeGenerator(target, build_proposer(config, target), config.num_speculative_tokens)
-    total = SpecDecodingMetrics(config.num_speculative_tokens)
-    outputs = []
-    for prompt in prompts:
-        result = generator.generate(torch.tensor([prompt]), NEW_TOKENS, eos)
-        outputs.append(result.token_ids)
-        total = total.merge(result.metrics)
-    return outputs, {key: total.to_dict()[key] for key in COUNTERS}
-
-
 def check_served(scene, centroids: int | None, name: str, triton_interpreter: bool = False):
     """Serve the export of an assistant with `centroids` (None: no centroid head) in vLLM and assert: its weights load
     in full, vLLM's outputs equal plain greedy decoding and draftsmith's, and vLLM's counters equal draftsmith's run
@@ -109,7 +95,8 @@ def check_served(scene, centroids: int | None, name: str, triton_interpreter: bo
                                         triton_interpreter=triton_interpreter)
     seconds = time.time() - started
     ours, our_counters = draftsmith_run(target, prompts, {"method": "gemma4_mtp", "model": str(checkpoint),
-                                                          "num_speculative_tokens": K}, eos)
+                                                          "num_speculative_tokens": K}, eos,
+                                        max_tokens=NEW_TOKENS)
     theirs = {k: counters.get(k) for k in COUNTERS}
     problems = load_problems(lines, drafter=True)
     report({"format or method": name, "loads": not problems,

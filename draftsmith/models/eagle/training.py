@@ -27,10 +27,12 @@ class EagleMethod:
         # target's final norm (model.py), as MTP does.
         self.aux_layer_ids = [target.num_layers]
         self.noise = section.hidden_noise
+        # auto: the kernel, measured for EAGLE-1 (kernels_h200/, call 9: 1.10x at 16 x 2048 and 4 x 8192, 0.94x
+        # peak memory)
         self.loss_options = dict(regression_weight=section.regression_weight, ce_weight=section.ce_weight,
                                  chunk_size=recipe.training.loss_chunk_size, loss_grad=recipe.training.loss_grad,
                                  loss_kernel=resolve_loss_kernel(recipe.training.loss_kernel, target.device,
-                                                                 recipe.training.loss_grad))
+                                                                 recipe.training.loss_grad, measured=True))
         self.notes = [f"eagle: loss {section.regression_weight:g} x smooth-L1 to the target's next hidden state + "
                       f"{section.ce_weight:g} x cross-entropy to its next-token distribution (the EAGLE reference's)"
                       + (f", hidden states read with uniform noise of width {self.noise:g}" if self.noise else "")]
