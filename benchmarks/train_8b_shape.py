@@ -8,26 +8,24 @@ same batch, all in one process.
 
 A run is METHOD[+FLAG...][/reference]:SEQxBATCH. `eagle3` is the training step `draftsmith train` runs with the
 recipe defaults (Eagle3Method.loss: target capture, teacher, TTT attention, fused chunked loss, under bf16 autocast
-with fp32 master weights and AdamW, as accelerate's bf16 mixed precision does), its TTT attention kernel, query
-block and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_attention`, `query_block`,
+with fp32 master weights and AdamW, as accelerate's bf16 mixed precision does), its TTT attention kernel, query block
+and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_attention`, `query_block`,
 `loss_chunk_rows`); `+flex` and `+reference` force training.ttt_attention (FlexAttention, or the plain-torch blocked
 reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` training.compile_drafter (compilations, the
 FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (every method) sets
 training.loss_kernel=fused, the head losses' Triton kernel (each run records its `loss_kernel`). `eagle3/reference`
-is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward
-pass). `dflash` runs DflashMethod.loss,
-`dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with training.block_attention
-(default: auto, as the recipes; each run records its kernel in `block_attention`); `dspark` DsparkMethod.loss with
-the recipe defaults (the whole vocabulary), the same flags as dflash; `mtp` MtpMethod.loss (one new
-module, mtp.num_depths from the recipe default); `eagle` EagleMethod.loss (EAGLE-1: one decoder layer, smooth-L1 to
-the next state + soft CE through the target's whole head). Each run trains a fresh drafter for --steps optimizer steps, the first
---warmup untimed; a run that runs out of memory or fails is recorded as such and the next one starts. MFU is
-counted with train/flops.py against the bf16 matrix rate measured in the same process (a large matmul) and against
-790 TFLOP/s (the H200 figure the issue measured). `--profile DIR` runs one more step after each run's timed ones
-(outside its figures) under torch.profiler: DIR/profile_<run>.txt, its key_averages table by self device time, and
-the row's `profile_top`, the top 12 kernels by self device time (CPU: self CPU time) with their shares.
-Random weights and tokens make the losses meaningless but not the timing or the memory.
-"""
+is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward pass).
+`dflash` runs DflashMethod.loss, `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with
+training.block_attention (default: auto, as the recipes; each run records its kernel in `block_attention`); `dspark`
+DsparkMethod.loss with the recipe defaults (the whole vocabulary), the same flags as dflash; `mtp` MtpMethod.loss
+(one new module, mtp.num_depths from the recipe default); `eagle` EagleMethod.loss (EAGLE-1: one decoder layer,
+smooth-L1 to the next state + soft CE through the target's whole head). Each run trains a fresh drafter for --steps
+optimizer steps, the first --warmup untimed; a run that runs out of memory or fails is recorded as such and the next
+one starts. MFU is counted with train/flops.py against the bf16 matrix rate measured in the same process (a large
+matmul) and against 790 TFLOP/s (the H200 figure the issue measured). `--profile DIR` runs one more step after each
+run's timed ones (outside its figures) under torch.profiler: DIR/profile_<run>.txt, its key_averages table by self
+device time, and the row's `profile_top`, the top 12 kernels by self device time (CPU: self CPU time) with their
+shares. Random weights and tokens make the losses meaningless but not the timing or the memory."""
 
 from __future__ import annotations
 

@@ -95,7 +95,8 @@ def test_the_load_check_needs_the_line_that_shows_the_drafter_loaded():
     assert load_problems([target_loaded, drafter_starts, drafter_loaded,
                           "WARNING Some weights were not initialized: fc.weight"], drafter=True)
     # the V2 runner (DSpark's): the target's and then the drafter's load after its one "from scratch" line
-    v2, v2_starts = "INFO [cpu_worker.py:162] Using V2 Model Runner", "INFO [model_runner.py:392] Loading model from scratch..."
+    v2 = "INFO [cpu_worker.py:162] Using V2 Model Runner"
+    v2_starts = "INFO [model_runner.py:392] Loading model from scratch..."
     assert load_problems([v2, v2_starts, target_loaded, drafter_loaded], drafter=True) == []
     assert load_problems([v2, v2_starts, target_loaded], drafter=True)  # the target's line alone
     assert load_problems([v2, target_loaded, drafter_loaded], drafter=True)  # loads before the runner's start

@@ -23,8 +23,8 @@ def test_eagle_reference_layout(fixture_prompts, plain_vllm, accepting_drafter, 
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["bias"] is False
     vllm_counters, ours, _ = check("eagle, reference layout (--format eagle)", fixture_prompts, plain_vllm,
-                                {"method": "eagle", "model": str(tmp_path / "eagle"), "num_speculative_tokens": 3},
-                                checkpoint=checkpoint)
+                                   {"method": "eagle", "model": str(tmp_path / "eagle"), "num_speculative_tokens": 3},
+                                   checkpoint=checkpoint)
     print(json.dumps({"vLLM": vllm_counters, "draftsmith": ours}))
 
 
