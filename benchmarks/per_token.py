@@ -98,6 +98,9 @@ CONFIGS: dict[str, list[str]] = {
     "fhw_kernels_32k": [*FHW_KERNELS, "training.tokens_per_step=32768"],
     "fhw_kernels_32k_lr2e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],
     "fhw_kernels_32k_lr3e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=3e-3"],
+    # Muon at 32,768 tokens a step: its orthogonalisation costs the same per step whatever the tokens, so its share
+    # of the step shrinks as the step grows, while it learns more per step (+0.09 at k=5 at equal steps)
+    "fhmw_kernels_32k_lr2e-3": [*FH_MUON_WSD, *KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],
     # all of speculators' choices at once (not one change: the check that they add up to the peer)
     "speculators_like": ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=linear",
                          "training.warmup_ratio=0.01", "training.ttt_decay=1.0", "training.max_grad_norm=1.0",
