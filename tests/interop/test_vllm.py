@@ -52,18 +52,24 @@ def plain_vllm(fixture_prompts):
 
 
 def check(name, fixture_prompts, plain_vllm, spec: dict, *, checkpoint: Path | None, model=None,
-          max_num_seqs=None, triton_interpreter: bool = False):
+          max_num_seqs=None, triton_interpreter: bool = False, max_tokens: int = MAX_TOKENS,
+          our_method: str | None = None):
     """Run vLLM on `spec` (its "model" the export) and draftsmith on the same config with "model" the training
-    `checkpoint` the export came from (None for model-free methods); assert loading, outputs and counters; record a
-    matrix row. `plain_vllm` is vLLM's plain decoding on the same runner (`triton_interpreter`: the V2 runner,
-    vllm_job.use_triton_interpreter). Returns vLLM's counters, draftsmith's, and vLLM's log lines."""
+    `checkpoint` the export came from (None for model-free methods), and "method" `our_method` where draftsmith
+    names the method otherwise (vLLM's "mtp" reads Gemma 4's assistant, draftsmith's "gemma4_mtp"); assert loading,
+    outputs and counters; record a matrix row. `plain_vllm` is vLLM's plain decoding on the same runner
+    (`triton_interpreter`: the V2 runner, vllm_job.use_triton_interpreter). Returns vLLM's counters, draftsmith's,
+    and vLLM's log lines."""
     target, _, prompts, answers, eos = fixture_prompts
     started = time.time()
-    outputs, counters, lines = run_vllm(target.name_or_path, prompts, spec if model is None else None, model=model,
-                                        max_num_seqs=max_num_seqs, triton_interpreter=triton_interpreter)
+    outputs, counters, lines = run_vllm(target.name_or_path, prompts, spec if model is None else None,
+                                        max_tokens=max_tokens, model=model, max_num_seqs=max_num_seqs,
+                                        triton_interpreter=triton_interpreter)
     seconds = time.time() - started
-    ours, our_counters = draftsmith_run(target, prompts, spec if checkpoint is None else
-                                        {**spec, "model": str(checkpoint)}, eos)
+    ours_spec = spec if checkpoint is None else {**spec, "model": str(checkpoint)}
+    if our_method is not None:
+        ours_spec = {**ours_spec, "method": our_method}
+    ours, our_counters = draftsmith_run(target, prompts, ours_spec, eos, max_tokens)
     problems = load_problems(lines, drafter=checkpoint is not None)
     COUNTED[name] = ({k: counters.get(k) for k in COUNTERS}, our_counters)
     row = {"format or method": name, "loads": not problems, "outputs equal": outputs == plain_vllm == ours,

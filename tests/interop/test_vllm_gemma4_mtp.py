@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_gemma4_mtp import fine_tuned, random_assistant, random_target, write_checkpoint
-from test_vllm import COUNTERS, draftsmith_run
+from test_vllm import check
 from vllm_engine import V2_RUNNER, VllmError, load_problems, report, run_vllm
 
 from draftsmith.inference.generator import SpeculativeGenerator
@@ -84,30 +83,16 @@ def scene(tmp_path_factory):
 
 
 def check_served(scene, centroids: int | None, name: str, triton_interpreter: bool = False):
-    """Serve the export of an assistant with `centroids` (None: no centroid head) in vLLM and assert: its weights load
-    in full, vLLM's outputs equal plain greedy decoding and draftsmith's, and vLLM's counters equal draftsmith's run
-    of the training checkpoint."""
+    """Serve the export of an assistant with `centroids` (None: no centroid head) in vLLM with test_vllm.check's
+    assertions (its weights load in full, vLLM's outputs equal plain greedy decoding, here draftsmith's, and
+    draftsmith's speculative ones, and vLLM's counters equal draftsmith's run of the training checkpoint), and that
+    vLLM read it as Gemma 4's assistant. Returns vLLM's log lines."""
     folder, target, prompts, answers, eos, make = scene
     checkpoint, export = make(centroids)
-    started = time.time()
-    outputs, counters, lines = run_vllm(str(folder), prompts, {"method": "mtp", "model": str(export),
-                                                               "num_speculative_tokens": K}, max_tokens=NEW_TOKENS,
-                                        triton_interpreter=triton_interpreter)
-    seconds = time.time() - started
-    ours, our_counters = draftsmith_run(target, prompts, {"method": "gemma4_mtp", "model": str(checkpoint),
-                                                          "num_speculative_tokens": K}, eos,
-                                        max_tokens=NEW_TOKENS)
-    theirs = {k: counters.get(k) for k in COUNTERS}
-    problems = load_problems(lines, drafter=True)
-    report({"format or method": name, "loads": not problems,
-                      "outputs equal": outputs == answers == ours, "counters equal": theirs == our_counters,
-                      "vLLM counters": theirs, "draftsmith counters": our_counters, "CPU seconds": round(seconds, 1)})
-    assert not problems, problems
+    *_, lines = check(name, (target, None, prompts, answers, eos), answers,
+                      {"method": "mtp", "model": str(export), "num_speculative_tokens": K}, checkpoint=checkpoint,
+                      triton_interpreter=triton_interpreter, max_tokens=NEW_TOKENS, our_method="gemma4_mtp")
     assert any("Resolved architecture: Gemma4MTPModel" in line for line in lines)  # read as Gemma 4's assistant
-    assert ours == answers, "draftsmith's speculative outputs differ from its plain greedy decoding"
-    assert outputs == answers, "vLLM's speculative outputs differ from plain greedy decoding"
-    assert theirs == our_counters, "vLLM's spec-decode counters differ from draftsmith's run of the training checkpoint"
-    assert counters["num_accepted_tokens"] > 0, "the assistant accepted nothing in vLLM: the check would be empty"
     return lines
 
 

@@ -22,9 +22,10 @@ class _InterpretedCpuBackend:
 def use_triton_interpreter() -> None:
     """vLLM 0.32 serves DSpark only on its V2 model runner (and Gemma 4's centroid head only there on a CPU: its V1
     runner records CUDA graphs of it), which a CPU build enables only where Triton has a CPU backend (triton-cpu,
-    which PyPI does not carry): vllm/triton_utils/importing.py looks for "cpu" among triton.backends. Declare one, and run every Triton kernel of the runner through Triton's interpreter (numpy, on
-    the CPU tensors): vLLM's own code end to end, its kernels interpreted instead of compiled. Must run before vLLM
-    (and any @triton.jit) is imported."""
+    which PyPI does not carry): vllm/triton_utils/importing.py looks for "cpu" among triton.backends. Declare one,
+    and run every Triton kernel of the runner through Triton's interpreter (numpy, on the CPU tensors): vLLM's own
+    code end to end, its kernels interpreted instead of compiled. Must run before vLLM (and any @triton.jit) is
+    imported."""
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     from triton import backends
