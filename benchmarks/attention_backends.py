@@ -1,5 +1,5 @@
 """Why decoding excludes cuDNN attention: the same generations with torch's default SDPA backends and with
-`device.runtime_attention()` (flash / memory-efficient / math), side by side in one process.
+`device.sdpa_without_cudnn()` (flash / memory-efficient / math), side by side in one process.
 
 cuDNN attention builds an execution plan per new shape; eager decoding steps (drafters, extend, prefill) change
 the key length every step, so each would pay a plan build.

@@ -238,6 +238,7 @@ def train_run(name, recipe_path, overrides, minutes, answers, target32) -> dict:
     return row
 
 
+@dev.sdpa_without_cudnn()  # as `draftsmith collect`: no cuDNN attention (device.py), forward-only too
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True)

@@ -96,7 +96,7 @@ def measure(target: TargetModel, prompt: torch.Tensor, new_tokens: int, device) 
     ids = prompt.to(device)
     cache = target.new_cache(1, ids.shape[1] + 64)
     step_ms = {}
-    with dev.runtime_attention():
+    with dev.sdpa_without_cudnn():
         target.step(ids, cache)
         base = cache.length
         for width in range(1, 9):

@@ -18,7 +18,7 @@ from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.target import TargetModel
 
 
-@dev.runtime_attention()  # it times target and drafter steps directly: same attention backends as decoding
+@dev.sdpa_without_cudnn()  # it times target and drafter steps directly: same attention backends as decoding
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--target", required=True)

@@ -77,7 +77,7 @@ def hf_generate(target: TargetModel, prompts, max_new_tokens, temperature, eos, 
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
-@dev.runtime_attention()
+@dev.sdpa_without_cudnn()
 def draft_cost_ratio(target: TargetModel, drafter: str, prompt, k: int) -> dict[str, float]:
     """c = per-token cost of the drafter chain / cost of one plain target step, both timed here (attention
     backends as in decoding)."""

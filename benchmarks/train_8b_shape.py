@@ -297,6 +297,7 @@ def one_run(target, text, args, device, measured_peak) -> dict:
     return result
 
 
+@dev.sdpa_without_cudnn()  # as `draftsmith train`: no cuDNN attention (device.py), forward-only too
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="eagle3/reference:2048x4 eagle3:2048x4 eagle3/reference:2048x16 eagle3:2048x16 "

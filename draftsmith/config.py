@@ -192,10 +192,12 @@ class TrainingConfig(BaseModel):
     # DeepSpeed ZeRO-3 heads always take it)
     loss_grad: Literal["in_forward", "recompute"] = "in_forward"
     # EAGLE-3 long contexts: recompute each TTT step's decoder layer in the backward pass (keeps only its inputs;
-    # about a third more drafter compute for most of its activation memory); and fuse each step's elementwise work
-    # with torch.compile (the first steps compile)
+    # about a third more drafter compute for most of its activation memory)
     checkpoint_ttt_steps: bool = False
-    compile_drafter: bool = False
+    # EAGLE-3: fuse each TTT step's elementwise work with torch.compile (the first steps compile). auto: on CUDA and
+    # ROCm with Triton (off with DRAFTSMITH_COMPILE_DRAFTER=0), where it measured faster and smaller at every shape
+    # tried (benchmarks/results/profile_train_h200/, kernels_h200/ call 5); NPU and CPU run eagerly
+    compile_drafter: bool | Literal["auto"] = "auto"
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     # the bf16 dense matrix rate of one device, for the MFU column of metrics.jsonl; None: a datasheet figure for
     # the GPUs draftsmith knows (device.peak_matrix_tflops), else no MFU is logged (throughput still is)

@@ -307,6 +307,14 @@ def compiled_flex_attention(device: torch.device | str) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def compiled_drafter(device: torch.device | str) -> bool:
+    """Whether `training.compile_drafter: auto` compiles the drafter's step on `device`: CUDA and ROCm with Triton
+    importable (inductor's GPU backend), unless DRAFTSMITH_COMPILE_DRAFTER=0."""
+    if _device_type(device) != "cuda" or os.environ.get("DRAFTSMITH_COMPILE_DRAFTER", "1") == "0":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def fused_loss_kernel(device: torch.device | str) -> bool:
     """Whether the head losses' Triton kernel (kernels/fused_head_loss.py) may run on `device`: CUDA and ROCm with
     Triton importable, unless DRAFTSMITH_FUSED_LOSS=0 (kernels/fused_head_loss.resolve_backend reads it). NPU and
@@ -364,16 +372,20 @@ def time_ms(fn, device: torch.device | str, repeat: int = 50) -> float:
     return (time.perf_counter() - start) / repeat * 1e3
 
 
-def runtime_attention():
-    """Context for decoding: scaled-dot-product attention without the cuDNN backend.
+def sdpa_without_cudnn():
+    """Context for scaled-dot-product attention without the cuDNN backend, for training, collection and decoding.
 
-    cuDNN's attention builds an execution plan for every new shape. Decoding changes the key length at every
-    eager step (drafters, prefill, extend), so with cuDNN each step would pay a plan build of tens of
-    milliseconds; flash, memory-efficient and math kernels have no per-shape setup. A no-op where cuDNN
-    attention does not exist (CPU, NPU, older torch)."""
+    cuDNN's attention builds an execution plan for every new shape: 7 to 12 ms of host time a call on an H200
+    (torch 2.11, `benchmarks/results/profile_train_h200/`). Training batches change length every step and decoding
+    changes the key length every eager step, so with cuDNN each step pays a plan build per attention call;
+    flash, memory-efficient and math kernels have no per-shape setup. A no-op where cuDNN attention does not exist
+    (CPU, NPU, older torch). DRAFTSMITH_CUDNN_ATTENTION=1 leaves torch's own choice (for side-by-side timing)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if os.environ.get("DRAFTSMITH_CUDNN_ATTENTION") == "1":
+        backends.append(SDPBackend.CUDNN_ATTENTION)
+    return sdpa_kernel(backends)  # also a decorator
 
 
 def capture_graph(fn, warmup: int = 2):

@@ -231,3 +231,28 @@ def test_auto_on_the_cpu_is_float32_and_says_so_once(monkeypatch, capsys):
     assert dev.resolve_dtype("auto", "cpu") == torch.float32
     assert dev.resolve_dtype("auto", "cpu") == torch.float32
     assert capsys.readouterr().err.count("dtype auto on the CPU is float32") == 1
+
+
+def test_sdpa_without_cudnn_turns_off_cudnn_attention_alone(monkeypatch):
+    """Training, collection and decoding run attention inside it: cuDNN's backend off, flash, memory-efficient and
+    math on, torch's settings back afterwards; DRAFTSMITH_CUDNN_ATTENTION=1 leaves cuDNN on (side-by-side timing)."""
+    flags = lambda: (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),  # noqa: E731
+                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    before = flags()
+    with dev.sdpa_without_cudnn():
+        assert flags() == (False, True, True, True)
+    assert flags() == before
+    monkeypatch.setenv("DRAFTSMITH_CUDNN_ATTENTION", "1")
+    with dev.sdpa_without_cudnn():
+        assert flags() == (True, True, True, True)
+    assert flags() == before
+
+
+def test_compile_drafter_auto_compiles_on_gpus_only(fake_cuda, monkeypatch):
+    """training.compile_drafter: auto compiles EAGLE-3's TTT steps on CUDA and ROCm with Triton, never on the CPU or
+    an NPU, and DRAFTSMITH_COMPILE_DRAFTER=0 turns it off."""
+    monkeypatch.setattr(dev.importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    assert dev.compiled_drafter("cuda")
+    assert not dev.compiled_drafter("cpu") and not dev.compiled_drafter("npu")
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_DRAFTER", "0")
+    assert not dev.compiled_drafter("cuda")

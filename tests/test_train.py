@@ -457,3 +457,24 @@ def test_a_frozen_draft_head_keeps_the_targets_rows_while_the_rest_trains(tmp_pa
     assert torch.equal(two["lm_head.weight"].float(), target.lm_head.weight[rows].float())
     moved = {k for k in two if two[k].is_floating_point() and not torch.equal(two[k], one[k])}
     assert "lm_head.weight" not in moved and {"fc.weight", "midlayer.mlp.down_proj.weight"} <= moved
+
+
+def test_training_runs_attention_without_cudnn(tmp_path, fixture_target_dir, monkeypatch):
+    """cuDNN attention builds a plan for every new shape (7-12 ms of host time a call on an H200,
+    benchmarks/results/profile_train_h200/) and training batches change shape every step: the trainer's target and
+    drafter run every loss with it off, and leave torch's setting as it was."""
+    from draftsmith.models.eagle3.training import Eagle3Method
+
+    seen = []
+    real_loss = Eagle3Method.loss
+
+    def loss_noting_the_backends(self, drafter, batch):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return real_loss(self, drafter, batch)
+
+    monkeypatch.setattr(Eagle3Method, "loss", loss_noting_the_backends)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    data = write_conversations(tmp_path / "conv.jsonl", n=12)
+    train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2, grad_accum_steps=1), log=lambda *a: None)
+    assert seen and all(flags == (False, True) for flags in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

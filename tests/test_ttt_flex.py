@@ -297,3 +297,33 @@ def test_training_with_flex_attention_equals_the_reference_on_gpu(packed, compil
     assert len(got_grads) == len(ref_grads)
     for got, ref in zip(got_grads, ref_grads):
         assert (got - ref).norm() <= 5e-2 * ref.norm() + 1e-6
+
+
+@pytest.mark.gpu
+def test_the_compiled_drafter_trains_as_the_eager_one_on_gpu(compiles):
+    """training.compile_drafter (auto on CUDA): the TTT steps' elementwise work compiled by inductor gives the eager
+    loss and gradients, with FlexAttention under bf16 autocast as training runs it, at two batch lengths (the
+    second is a recompile, as every new length of a training run is)."""
+    from test_ttt_memory import teacher_targets, tiny_drafter, ttt_batch
+
+    eager = tiny_drafter(norm_before_fc=True, head_dim=16).cuda()
+    compiled = tiny_drafter(norm_before_fc=True, head_dim=16).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_steps()
+    for s in (300, 173):
+        aux, embeds, last_hidden, head, loss_mask = (x.cuda() for x in ttt_batch(s=s))
+        teacher, in_draft = teacher_targets(last_hidden, head, eager.t2d)
+        targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=128)
+        results = []
+        for drafter in (eager, compiled):
+            drafter.zero_grad()
+            drafter.ttt_attention = "flex"
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = drafter(aux, embeds, 4, loss_targets=targets)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+        (ref_loss, ref_grads), (got_loss, got_grads) = results
+        torch.testing.assert_close(got_loss, ref_loss, rtol=1e-2, atol=1e-2)
+        assert len(got_grads) == len(ref_grads) > 0
+        for got, ref in zip(got_grads, ref_grads):
+            assert (got - ref).norm() <= 3e-2 * ref.norm() + 1e-6

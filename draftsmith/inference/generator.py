@@ -116,7 +116,7 @@ class SpeculativeGenerator:
             committed    c -> c + a + 1               slots of last and the accepted path kept (tree: compacted
                                                       to consecutive slots), the rest invalid or overwritten
         """
-        with dev.runtime_attention():
+        with dev.sdpa_without_cudnn():
             return self._generate_batch(prompts, max_new_tokens, eos_token_ids, sampling)
 
     def _generate_batch(self, prompts, max_new_tokens, eos_token_ids, sampling) -> list[GenerationResult]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith import device as dev
 from draftsmith.config import Recipe, RecipeError, check_recipe_against_target
 
 
@@ -57,9 +58,10 @@ def collect(recipe: Recipe, log=print) -> Path:
     done = _tokens_done(folder, rank)
     mine = sum(len(s.input_ids) for s in samples[rank::world])
     check_disk(folder, (mine - done) * per_token)
-    collect_rank(target, method.aux_layer_ids, samples, folder, header, rank=rank, world=world,
-                 max_shard_bytes=recipe.collect.max_shard_bytes, dtype=recipe.collect.dtype,
-                 batch_tokens=recipe.collect.batch_tokens, log=log)
+    with dev.sdpa_without_cudnn():  # every batch has a new shape (device.py)
+        collect_rank(target, method.aux_layer_ids, samples, folder, header, rank=rank, world=world,
+                     max_shard_bytes=recipe.collect.max_shard_bytes, dtype=recipe.collect.dtype,
+                     batch_tokens=recipe.collect.batch_tokens, log=log)
     state.wait_for_everyone()
     if state.is_main_process:
         index = write_index(folder, header, len(samples), world)

@@ -525,6 +525,7 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
             shutil.rmtree(stale, ignore_errors=True)
 
     spec = registry.get(recipe.model.method)
+    closing.enter_context(dev.sdpa_without_cudnn())  # batches change shape every step (device.py)
     tokenizer = _load_tokenizer(recipe.model.target)
     check_recipe_against_target(recipe, target_config_dict(recipe.model.target), str(output_dir / RECIPE_FILE))
     with accelerator.main_process_first():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith import device as dev
 from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
 from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.eagle3.config import Eagle3Config
@@ -30,7 +31,8 @@ class Eagle3Method:
         self.query_block = training.ttt_query_block
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps
-        self.compile_steps = training.compile_drafter
+        self.compile_steps = (dev.compiled_drafter(target.device) if training.compile_drafter == "auto"
+                              else training.compile_drafter)
         self.train_head = training.train_draft_head
         self.config = Eagle3Config.from_target(
             target.config, draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size), recipe.model.aux_layer_ids,
