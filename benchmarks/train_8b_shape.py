@@ -11,8 +11,9 @@ recipe defaults (Eagle3Method.loss: target capture, teacher, TTT attention, fuse
 with fp32 master weights and AdamW, as accelerate's bf16 mixed precision does), its TTT attention kernel, query block
 and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_attention`, `query_block`,
 `loss_chunk_rows`); `+flex` and `+reference` force training.ttt_attention (FlexAttention, or the plain-torch blocked
-reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` training.compile_drafter (compilations, the
-FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (every method) sets
+reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` forces training.compile_drafter and `+eager`
+turns it off (its default, auto, compiles on a GPU since 2026-12-03; results before that date ran eager unless
+they say +compile; compilations, the FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (every method) sets
 training.loss_kernel=fused, the head losses' Triton kernel (each run records its `loss_kernel`). `eagle3/reference`
 is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward pass).
 `dflash` runs DflashMethod.loss, `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with
@@ -66,6 +67,7 @@ def matmul_tflops(device, n: int = 8192) -> float | None:
 
 
 FLAGS = {"ckpt": ("checkpoint_ttt_steps", True), "compile": ("compile_drafter", True),  # eagle3+FLAG: training.KEY
+         "eager": ("compile_drafter", False),  # compile_drafter is auto (compiled on a GPU) since 2026-12-03
          "flex": ("ttt_attention", "flex"), "reference": ("ttt_attention", "reference"),
          "fusedloss": ("loss_kernel", "fused")}  # every method: the head losses' Triton kernel
 
