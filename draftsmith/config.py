@@ -196,7 +196,8 @@ class TrainingConfig(BaseModel):
     checkpoint_ttt_steps: bool = False
     # EAGLE-3: fuse each TTT step's elementwise work with torch.compile (the first steps compile). auto: on CUDA and
     # ROCm with Triton (off with DRAFTSMITH_COMPILE_DRAFTER=0), where it measured faster and smaller at every shape
-    # tried (benchmarks/results/profile_train_h200/, kernels_h200/ call 5); NPU and CPU run eagerly
+    # tried (benchmarks/results/profile_train_h200/, kernels_h200/ call 5); eager on NPU and CPU, and under FSDP or
+    # DeepSpeed (not measured there)
     compile_drafter: bool | Literal["auto"] = "auto"
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     # the bf16 dense matrix rate of one device, for the MFU column of metrics.jsonl; None: a datasheet figure for

@@ -250,9 +250,15 @@ def test_sdpa_without_cudnn_turns_off_cudnn_attention_alone(monkeypatch):
 
 def test_compile_drafter_auto_compiles_on_gpus_only(fake_cuda, monkeypatch):
     """training.compile_drafter: auto compiles EAGLE-3's TTT steps on CUDA and ROCm with Triton, never on the CPU or
-    an NPU, and DRAFTSMITH_COMPILE_DRAFTER=0 turns it off."""
+    an NPU nor under FSDP or DeepSpeed, and DRAFTSMITH_COMPILE_DRAFTER=0 turns it off."""
+    from draftsmith.models.eagle3.training import auto_compile  # before find_spec is replaced: transformers uses it
+
     monkeypatch.setattr(dev.importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
     assert dev.compiled_drafter("cuda")
     assert not dev.compiled_drafter("cpu") and not dev.compiled_drafter("npu")
+    assert auto_compile("cuda") and not auto_compile("cpu")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # `accelerate launch` with an FSDP config: not measured there
+    assert not auto_compile("cuda")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("DRAFTSMITH_COMPILE_DRAFTER", "0")
-    assert not dev.compiled_drafter("cuda")
+    assert not dev.compiled_drafter("cuda") and not auto_compile("cuda")

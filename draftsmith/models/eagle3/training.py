@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from draftsmith import device as dev
@@ -31,7 +33,7 @@ class Eagle3Method:
         self.query_block = training.ttt_query_block
         self.count_mean = None  # data-parallel: the trainer sets the mean over processes (train.trainer)
         self.checkpoint_steps = training.checkpoint_ttt_steps
-        self.compile_steps = (dev.compiled_drafter(target.device) if training.compile_drafter == "auto"
+        self.compile_steps = (auto_compile(target.device) if training.compile_drafter == "auto"
                               else training.compile_drafter)
         self.train_head = training.train_draft_head
         self.config = Eagle3Config.from_target(
@@ -78,6 +80,14 @@ class Eagle3Method:
                        count_mean=self.count_mean, **self.loss_options)
         return drafter(captured.aux_hidden, token_embeds, self.ttt_steps, loss_targets=targets, position_ids=positions,
                        doc_ids=docs)
+
+
+def auto_compile(device) -> bool:
+    """`training.compile_drafter: auto`: compiled on CUDA and ROCm (device.compiled_drafter), but not under FSDP or
+    DeepSpeed, where it has not been measured (`accelerate launch` marks them in the environment)."""
+    sharded = any(os.environ.get(key, "").lower() in ("true", "1")
+                  for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+    return dev.compiled_drafter(device) and not sharded
 
 
 def _unwrap(module):
