@@ -478,3 +478,21 @@ def test_training_runs_attention_without_cudnn(tmp_path, fixture_target_dir, mon
     train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2, grad_accum_steps=1), log=lambda *a: None)
     assert seen and all(flags == (False, True) for flags in seen)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_collate_right_pads_each_sample_in_place():
+    """collate builds the (B, S) batch from the samples end to end (one numpy conversion, not one per row): each row
+    holds its sample's ids and loss mask, then pad_id and zeros; collate_packed puts the same ids in one row."""
+    from draftsmith.data.tokenize import TokenizedSample
+
+    samples = [TokenizedSample(input_ids=[5, 6, 7], loss_mask=[0, 1, 1]), TokenizedSample(input_ids=[8], loss_mask=[1]),
+               TokenizedSample(input_ids=[9, 10, 11, 12], loss_mask=[0, 0, 1, 0])]
+    batch = trainer_mod.collate(samples, pad_id=3, device="cpu")
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 3], [8, 3, 3, 3], [9, 10, 11, 12]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 1, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert all(t.dtype == torch.long for t in batch.values())
+    packed = trainer_mod.collate_packed(samples, "cpu")
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert packed["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 0, 1, 0]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]

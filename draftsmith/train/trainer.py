@@ -27,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -158,8 +159,7 @@ def collate_packed(samples, device) -> dict[str, torch.Tensor]:
     """One packed (1, T) row of the samples, T = their total length: input_ids, loss_mask, position_ids (restarting
     at 0 in every sample: the target's attention, from transformers' packed-sequence masks, and the drafter's
     both stay inside a sample) and doc_ids (which sample each position belongs to); no attention_mask."""
-    ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
-    mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.long)
+    ids, mask = _concatenated(samples, "input_ids"), _concatenated(samples, "loss_mask")
     positions = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
     docs = torch.cat([torch.full((len(s.input_ids),), i) for i, s in enumerate(samples)])
     return {"input_ids": ids[None].to(device), "attention_mask": None, "loss_mask": mask[None].to(device),
@@ -168,16 +168,19 @@ def collate_packed(samples, device) -> dict[str, torch.Tensor]:
 
 def collate(samples, pad_id: int, device) -> dict[str, torch.Tensor]:
     """Right-padded (B, S) tensors: input_ids, attention_mask, loss_mask."""
-    length = max(len(s.input_ids) for s in samples)
-    ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), length), dtype=torch.long)
-    mask = torch.zeros((len(samples), length), dtype=torch.long)
-    for row, s in enumerate(samples):
-        n = len(s.input_ids)
-        ids[row, :n] = torch.tensor(s.input_ids)
-        attn[row, :n] = 1
-        mask[row, :n] = torch.tensor(s.loss_mask)
-    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "loss_mask": mask.to(device)}
+    lengths = torch.tensor([len(s.input_ids) for s in samples])
+    real = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # (B, S): the samples' own positions
+    ids = torch.full(real.shape, pad_id, dtype=torch.long)
+    mask = torch.zeros(real.shape, dtype=torch.long)
+    ids[real] = _concatenated(samples, "input_ids")  # row-major, as the samples follow one another
+    mask[real] = _concatenated(samples, "loss_mask")
+    return {"input_ids": ids.to(device), "attention_mask": real.long().to(device), "loss_mask": mask.to(device)}
+
+
+def _concatenated(samples, field: str) -> torch.Tensor:
+    """The samples' `field` lists end to end as one int64 tensor. Through numpy: a step's 32k tokens convert in
+    about a third of the time `torch.tensor` takes over Python lists (the host sets a small drafter's pace)."""
+    return torch.from_numpy(np.concatenate([np.asarray(getattr(s, field), dtype=np.int64) for s in samples]))
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
