@@ -98,8 +98,8 @@ CONFIGS: dict[str, list[str]] = {
     "fhw_kernels_32k": [*FHW_KERNELS, "training.tokens_per_step=32768"],
     "fhw_kernels_32k_lr2e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],
     "fhw_kernels_32k_lr3e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=3e-3"],
-    # the shipped recipe with its TTT steps compiled (compile_drafter: auto on a GPU since call 9): 1.4x faster steps
-    # at this size (profile_train_h200/); every config from call 9 on also runs without cuDNN attention (device.py)
+    # the shipped recipe with its TTT steps compiled (compile_drafter: auto on a GPU since call 9); every config from
+    # call 9 on also runs without cuDNN attention (device.py): together 158 to 110 ms a step (profile_train_h200/)
     "fhw_kernels_32k_lr2e-3_compile": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3",
                                        "training.compile_drafter=true"],
     # Muon at 32,768 tokens a step: its orthogonalisation costs the same per step whatever the tokens, so its share
