@@ -28,7 +28,8 @@ device_python_env
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}"
 [ -d .fixture/sharegpt-llama-19m ] || xz -dc .gpu/fixture.tar.xz | tar -x
 [ -f .devdata/sharegpt_train.jsonl ] || xz -dc .gpu/sharegpt_train.jsonl.xz > .devdata/sharegpt_train.jsonl
-[ -f .devdata/regenerated/regenerated.jsonl ] || xz -dc .gpu/regenerated.jsonl.xz > .devdata/regenerated/regenerated.jsonl
+REGEN=.devdata/regenerated/regenerated.jsonl
+[ -f "$REGEN" ] || xz -dc .gpu/regenerated.jsonl.xz > "$REGEN"
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo cpu) > "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   >> "$OUT/gpu.txt"
