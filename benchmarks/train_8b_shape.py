@@ -13,9 +13,10 @@ and loss chunk chosen as the trainer chooses them (recorded in each run's `ttt_a
 `loss_chunk_rows`); `+flex` and `+reference` force training.ttt_attention (FlexAttention, or the plain-torch blocked
 reference); `+ckpt` adds training.checkpoint_ttt_steps, `+compile` forces training.compile_drafter and `+eager`
 turns it off (its default, auto, compiles on a GPU since 2026-12-03; results before that date ran eager unless
-they say +compile; compilations, the FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss` (every method) sets
-training.loss_kernel=fused, the head losses' Triton kernel (each run records its `loss_kernel`). `eagle3/reference`
-is the path training took before blocked attention (S x S scores and whole-step logits kept for the backward pass).
+they say +compile; compilations, the FlexAttention kernel's too, fall in the untimed warm-up steps); `+fusedloss`
+(every method) sets training.loss_kernel=fused, the head losses' Triton kernel (each run records its
+`loss_kernel`). `eagle3/reference` is the path training took before blocked attention (S x S scores and whole-step
+logits kept for the backward pass).
 `dflash` runs DflashMethod.loss, `dflash+ckpt` with dflash.checkpoint_layers, `dflash+flex` / `dflash+reference` with
 training.block_attention (default: auto, as the recipes; each run records its kernel in `block_attention`); `dspark`
 DsparkMethod.loss with the recipe defaults (the whole vocabulary), the same flags as dflash; `mtp` MtpMethod.loss

@@ -302,24 +302,26 @@ def compiled_flex_attention(device: torch.device | str) -> bool:
     """Whether training may run FlexAttention compiled to Triton kernels on `device`: CUDA and ROCm with Triton
     importable, unless DRAFTSMITH_FLEX_ATTENTION=0 (kernels/ttt_attention.resolve_backend reads it). NPU and CPU
     have no compiled FlexAttention with a backward pass; they take the plain-torch reference."""
-    if _device_type(device) != "cuda" or os.environ.get("DRAFTSMITH_FLEX_ATTENTION", "1") == "0":
-        return False
-    return importlib.util.find_spec("triton") is not None
+    return _triton_kernels(device, "DRAFTSMITH_FLEX_ATTENTION")
 
 
 def compiled_drafter(device: torch.device | str) -> bool:
     """Whether `training.compile_drafter: auto` compiles the drafter's step on `device`: CUDA and ROCm with Triton
     importable (inductor's GPU backend), unless DRAFTSMITH_COMPILE_DRAFTER=0."""
-    if _device_type(device) != "cuda" or os.environ.get("DRAFTSMITH_COMPILE_DRAFTER", "1") == "0":
-        return False
-    return importlib.util.find_spec("triton") is not None
+    return _triton_kernels(device, "DRAFTSMITH_COMPILE_DRAFTER")
 
 
 def fused_loss_kernel(device: torch.device | str) -> bool:
     """Whether the head losses' Triton kernel (kernels/fused_head_loss.py) may run on `device`: CUDA and ROCm with
     Triton importable, unless DRAFTSMITH_FUSED_LOSS=0 (kernels/fused_head_loss.resolve_backend reads it). NPU and
     CPU take the plain-torch chunked loss."""
-    if _device_type(device) != "cuda" or os.environ.get("DRAFTSMITH_FUSED_LOSS", "1") == "0":
+    return _triton_kernels(device, "DRAFTSMITH_FUSED_LOSS")
+
+
+def _triton_kernels(device: torch.device | str, switch: str) -> bool:
+    """The rule the `auto` kernel choices share: CUDA or ROCm, Triton importable, and the environment variable
+    `switch` not set to 0."""
+    if _device_type(device) != "cuda" or os.environ.get(switch, "1") == "0":
         return False
     return importlib.util.find_spec("triton") is not None
 
