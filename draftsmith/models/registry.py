@@ -1,8 +1,9 @@
-"""Every drafter method draftsmith trains, exports, imports and runs: one line per method folder.
+"""Every drafter method draftsmith trains, exports, imports and runs: one entry per method folder.
 
 The trainer, the exporter, the importer, `push`, the runtime's speculative-config parser and the recipe schema
 read methods only through these functions (models/spec.py says what a spec holds). Adding a method: its folder
-with a `spec.py` declaring `SPEC`, and its line in `SPECS`.
+with a `spec.py` declaring `SPEC`, its import below and its entry in `SPECS` (explicit imports keep the
+import graph, which tests/test_registry.py checks for circles, readable).
 """
 
 from __future__ import annotations
