@@ -2,7 +2,7 @@
 
 The trainer, the exporter, the importer, `push`, the runtime's speculative-config parser and the CLI know a method
 only through its spec, so adding a method is adding a folder (`models/<method>/`, with a `spec.py` declaring
-`SPEC`) and one line in `registry.py`:
+`SPEC`) and its entry (import and `SPECS` line) in `registry.py`:
 
     section        the method's recipe section (schema and defaults, a `Section`), read as `<method>:` in a recipe
     check_recipe   the method's rules on a recipe (layer ids, block size, ...), run when the recipe is read, and
