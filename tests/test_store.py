@@ -566,3 +566,35 @@ def test_verify_checksums_each_shard_once_and_a_shard_changed_since_is_checked_a
     os.utime(folder / name, ns=(stamp, stamp))
     with pytest.raises(StoreError, match=f"copy/{name}: fails its checksum"):
         store.sample(3)
+
+
+def test_a_shard_larger_than_the_writeback_chunk_is_written_whole_and_handed_to_the_disk_as_it_goes(tmp_path,
+                                                                                                     monkeypatch):
+    """write_shard asks the kernel to write each WRITEBACK_CHUNK out as soon as it is copied (posix_fadvise): the
+    advised ranges follow one another from byte 0, and the file is the same bytes as without the advice."""
+    import os
+
+    from draftsmith.data import store
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise on this platform: write_shard writes as before")
+    g = torch.Generator().manual_seed(1)
+    tensors = {"0.aux": torch.randn(300, 50, generator=g).to(torch.bfloat16),
+               "0.input_ids": torch.arange(300, dtype=torch.int32)}
+    order, prefix, _ = store.shard_layout(tensors)
+    size = len(prefix) + 300 * 50 * 2 + 300 * 4
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: (advised.append((off, n, how)),
+                                                                      real(fd, off, n, how)))
+    monkeypatch.setattr(store, "WRITEBACK_CHUNK", 4096)
+    store.write_shard(tensors, order, prefix, tmp_path / "chunked.safetensors")
+    assert len(advised) >= size // 4096 - 1 and advised[0][0] == 0
+    assert all(a[0] + a[1] == b[0] for a, b in zip(advised, advised[1:]))  # contiguous, in order
+    assert all(n >= 4096 and how == os.POSIX_FADV_DONTNEED for _, n, how in advised)
+    asked = len(advised)
+    monkeypatch.setattr(store, "WRITEBACK_CHUNK", None)
+    store.write_shard(tensors, order, prefix, tmp_path / "plain.safetensors")
+    assert len(advised) == asked  # None: no advice, the page cache as before
+    chunked = (tmp_path / "chunked.safetensors").read_bytes()
+    assert len(chunked) == size and chunked == (tmp_path / "plain.safetensors").read_bytes()

@@ -225,20 +225,58 @@ def shard_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[str], bytes, di
     return order, prefix, offsets
 
 
+# Bytes written before the kernel is asked to start putting them on disk (None: leave it to the page cache, as
+# DRAFTSMITH_SHARD_WRITEBACK=0 does, for side-by-side timing)
+WRITEBACK_CHUNK: int | None = None if os.environ.get("DRAFTSMITH_SHARD_WRITEBACK") == "0" else 64 << 20
+
+
 def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes, path: Path) -> None:
     """Write host `tensors` as one safetensors file (`shard_layout`'s), straight from their memory, atomically.
 
     Why not safetensors' `save_file`: it first copies every tensor into one serialised buffer, a second pass over
     gigabytes per shard on the collector's host path; the format is a header and the raw bytes, and safetensors'
-    own reader (`safe_open`) checks what is written here whenever a shard is read."""
+    own reader (`safe_open`) checks what is written here whenever a shard is read.
+
+    Why the writeback: left alone, the kernel keeps a shard's gigabytes dirty in the page cache (below
+    `vm.dirty_background_ratio` of the memory) and the disk idles until the closing fsync writes them all, so
+    copying and writing take turns. Every WRITEBACK_CHUNK bytes, `posix_fadvise(DONTNEED)` starts the
+    disk writing what was just copied (on Linux it starts writeback of the range, without waiting, and drops
+    it from the cache once clean), so the disk writes while the next chunk is copied
+    (benchmarks/shard_write.py)."""
     from draftsmith.models.checkpoint import replace_atomically
 
     def write(tmp: Path) -> None:
         with tmp.open("wb") as f:
+            writeback = _Writeback(f)
             for part in _shard_bytes(tensors, order, prefix):
-                f.write(part)
+                step = writeback.chunk or len(part) or 1
+                for start in range(0, len(part), step):
+                    piece = part[start:start + step]  # a memoryview's slice: no copy
+                    f.write(piece)
+                    writeback.wrote(len(piece))
 
     replace_atomically(path, write)
+
+
+class _Writeback:
+    """Asks the kernel to write a file's bytes out as they come, WRITEBACK_CHUNK at a time (Linux; elsewhere,
+    where os has no posix_fadvise, nothing changes)."""
+
+    def __init__(self, f):
+        self.f = f
+        self.chunk = WRITEBACK_CHUNK if hasattr(os, "posix_fadvise") else None
+        self.done = 0  # bytes handed to the kernel for writeback
+        self.written = 0
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        if self.chunk and self.written - self.done >= self.chunk:
+            self.f.flush()
+            try:
+                os.posix_fadvise(self.f.fileno(), self.done, self.written - self.done, os.POSIX_FADV_DONTNEED)
+            except OSError:  # a file system that takes no advice: the closing fsync writes it all, as before
+                self.chunk = None
+            self.done = self.written
 
 
 def shard_sha256(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes) -> str:
