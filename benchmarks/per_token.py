@@ -60,6 +60,7 @@ RECIPE_AT_CALL_1 = ["training.optimizer=adamw", "training.lr=1e-3", "training.to
 FH_MUON_WSD = ["training.train_draft_head=false", "training.optimizer=muon", "training.lr_schedule=wsd"]
 KERNELS = ["training.ttt_attention=flex", "training.loss_kernel=fused"]  # what auto takes on a GPU, forced
 FHW_KERNELS = ["training.train_draft_head=false", "training.lr_schedule=wsd", *KERNELS]
+FHW_32K_COMPILE = [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3", "training.compile_drafter=true"]
 CONFIGS: dict[str, list[str]] = {
     "baseline": [],
     "freeze_head": ["training.train_draft_head=false"],
@@ -100,14 +101,11 @@ CONFIGS: dict[str, list[str]] = {
     "fhw_kernels_32k_lr3e-3": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=3e-3"],
     # the shipped recipe with its TTT steps compiled (compile_drafter: auto on a GPU since call 9); every config from
     # call 9 on also runs without cuDNN attention (device.py): together 158 to 110 ms a step (profile_train_h200/)
-    "fhw_kernels_32k_lr2e-3_compile": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3",
-                                       "training.compile_drafter=true"],
+    "fhw_kernels_32k_lr2e-3_compile": FHW_32K_COMPILE,
     # at equal time the run sees each of the 2,500 records ~15 times and its train accuracy pulls away from the
     # held-out one (call 9: step-0 0.63 against 0.54): decoupled weight decay as a regulariser, two strengths
-    "fhw_kernels_32k_lr2e-3_compile_wd0.1": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3",
-                                             "training.compile_drafter=true", "training.weight_decay=0.1"],
-    "fhw_kernels_32k_lr2e-3_compile_wd0.5": [*FHW_KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3",
-                                             "training.compile_drafter=true", "training.weight_decay=0.5"],
+    "fhw_kernels_32k_lr2e-3_compile_wd0.1": [*FHW_32K_COMPILE, "training.weight_decay=0.1"],
+    "fhw_kernels_32k_lr2e-3_compile_wd0.5": [*FHW_32K_COMPILE, "training.weight_decay=0.5"],
     # Muon at 32,768 tokens a step: its orthogonalisation costs the same per step whatever the tokens, so its share
     # of the step shrinks as the step grows, while it learns more per step (+0.09 at k=5 at equal steps)
     "fhmw_kernels_32k_lr2e-3": [*FH_MUON_WSD, *KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],

@@ -596,5 +596,9 @@ def test_a_shard_larger_than_the_writeback_chunk_is_written_whole_and_handed_to_
     monkeypatch.setattr(store, "WRITEBACK_CHUNK", None)
     store.write_shard(tensors, order, prefix, tmp_path / "plain.safetensors")
     assert len(advised) == asked  # None: no advice, the page cache as before
+    monkeypatch.setattr(store, "WRITEBACK_CHUNK", 4096)
+    monkeypatch.setenv("DRAFTSMITH_SHARD_WRITEBACK", "0")
+    store.write_shard(tensors, order, prefix, tmp_path / "switched_off.safetensors")
+    assert len(advised) == asked  # the environment's switch turns it off too
     chunked = (tmp_path / "chunked.safetensors").read_bytes()
     assert len(chunked) == size and chunked == (tmp_path / "plain.safetensors").read_bytes()

@@ -227,7 +227,7 @@ def shard_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[str], bytes, di
 
 # Bytes written before the kernel is asked to start putting them on disk (None: leave it to the page cache, as
 # DRAFTSMITH_SHARD_WRITEBACK=0 does, for side-by-side timing)
-WRITEBACK_CHUNK: int | None = None if os.environ.get("DRAFTSMITH_SHARD_WRITEBACK") == "0" else 64 << 20
+WRITEBACK_CHUNK: int | None = 64 << 20
 
 
 def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes, path: Path) -> None:
@@ -253,30 +253,33 @@ def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: byte
                 for start in range(0, len(part), step):
                     piece = part[start:start + step]  # a memoryview's slice: no copy
                     f.write(piece)
-                    writeback.wrote(len(piece))
+                    writeback.wrote()
 
     replace_atomically(path, write)
 
 
 class _Writeback:
-    """Asks the kernel to write a file's bytes out as they come, WRITEBACK_CHUNK at a time (Linux; elsewhere,
-    where os has no posix_fadvise, nothing changes)."""
+    """Asks the kernel to write a file's bytes out as they come, WRITEBACK_CHUNK at a time (Linux; where os has no
+    posix_fadvise, or with DRAFTSMITH_SHARD_WRITEBACK=0, nothing changes)."""
 
     def __init__(self, f):
         self.f = f
-        self.chunk = WRITEBACK_CHUNK if hasattr(os, "posix_fadvise") else None
+        off = not hasattr(os, "posix_fadvise") or os.environ.get("DRAFTSMITH_SHARD_WRITEBACK") == "0"
+        self.chunk = None if off else WRITEBACK_CHUNK
         self.done = 0  # bytes handed to the kernel for writeback
-        self.written = 0
 
-    def wrote(self, n: int) -> None:
-        self.written += n
-        if self.chunk and self.written - self.done >= self.chunk:
+    def wrote(self) -> None:
+        """Call after each write: past a chunk since the last advice, flush and advise the range in between."""
+        if not self.chunk:
+            return
+        written = self.f.tell()
+        if written - self.done >= self.chunk:
             self.f.flush()
             try:
-                os.posix_fadvise(self.f.fileno(), self.done, self.written - self.done, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self.f.fileno(), self.done, written - self.done, os.POSIX_FADV_DONTNEED)
             except OSError:  # a file system that takes no advice: the closing fsync writes it all, as before
                 self.chunk = None
-            self.done = self.written
+            self.done = written
 
 
 def shard_sha256(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes) -> str:
