@@ -1,21 +1,19 @@
-"""Hidden-state shards written to disk three ways, side by side in one process.
+"""Hidden-state shards written to disk with and without early writeback, side by side in one process.
 
     python benchmarks/shard_write.py --work /tmp/shards --out shard_write.json
 
 `store.write_shard` (what `draftsmith collect` runs in its writing thread) over synthetic bf16 shards shaped like a
 Llama-3.1-8B collection (3 aux layers + the last, hidden 4096, 512-token samples), each written, fsynced and renamed
-as a collection does: `direct` as shipped (O_DIRECT, past the page cache), `writeback` (DRAFTSMITH_SHARD_DIRECT=0:
-buffered, the disk asked to write every `store.WRITEBACK_CHUNK` as it is copied) and `page_cache` (both off: the
-page cache keeps a shard dirty until its closing fsync), alternating, --repeats times each. Reports MB/s per run
-and the ratios of the medians, with the command, the machine, the kernel's dirty-page settings and the versions.
-Disk speeds move from run to run on shared machines: compare the writers within one file.
+as a collection does; once with `store.WRITEBACK_CHUNK` as shipped (the disk asked to write every chunk as it is
+copied) and once with None (the page cache keeps a shard dirty until its closing fsync), alternating, --repeats
+times each. Reports MB/s per run and the ratio of the medians, with the command, the machine, the kernel's dirty-page
+settings and the versions. Disk speeds move from run to run on shared machines: compare the two within one file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import shutil
@@ -46,19 +44,10 @@ def synthetic_shard(shard_bytes: int, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-WRITERS = {  # name -> the environment store.write_shard reads
-    "direct": {},
-    "writeback": {"DRAFTSMITH_SHARD_DIRECT": "0"},
-    "page_cache": {"DRAFTSMITH_SHARD_DIRECT": "0", "DRAFTSMITH_SHARD_WRITEBACK": "0"},
-}
-
-
-def write_shards(shards, folder: Path, writer: str) -> float:
-    """Seconds to write every shard one after the other through store.write_shard the `writer` way (WRITERS)."""
-    saved = {key: os.environ.get(key) for key in ("DRAFTSMITH_SHARD_DIRECT", "DRAFTSMITH_SHARD_WRITEBACK")}
-    for key in saved:
-        os.environ.pop(key, None)
-    os.environ.update(WRITERS[writer])
+def write_shards(shards, folder: Path, chunk: int | None) -> float:
+    """Seconds to write every shard one after the other through store.write_shard with WRITEBACK_CHUNK = chunk."""
+    shipped = store.WRITEBACK_CHUNK
+    store.WRITEBACK_CHUNK = chunk
     try:
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
@@ -66,10 +55,7 @@ def write_shards(shards, folder: Path, writer: str) -> float:
             store.write_shard(tensors, order, prefix, folder / f"shard-{i:05d}.safetensors")
         return time.perf_counter() - start
     finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None)
-            if value is not None:
-                os.environ[key] = value
+        store.WRITEBACK_CHUNK = shipped
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -107,10 +93,11 @@ def main() -> int:
         shards.append((tensors, order, prefix))
     total = sum(len(prefix) + sum(t.numel() * t.element_size() for t in tensors.values())
                 for tensors, _, prefix in shards)
-    runs: dict[str, list[float]] = {name: [] for name in WRITERS}
+    writers = {"writeback": store.WRITEBACK_CHUNK, "page_cache": None}
+    runs: dict[str, list[float]] = {name: [] for name in writers}
     for rep in range(args.repeats):
-        for name in WRITERS:
-            seconds = write_shards(shards, args.work / f"{name}-{rep}", name)
+        for name, chunk in writers.items():
+            seconds = write_shards(shards, args.work / f"{name}-{rep}", chunk)
             runs[name].append(total / seconds / 1e6)
             print(f"{name:10s} run {rep}: {runs[name][-1]:,.0f} MB/s", flush=True)
     medians = {name: statistics.median(v) for name, v in runs.items()}
@@ -120,16 +107,14 @@ def main() -> int:
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "vm": dirty_settings(), "memory_gib": memory_gib(), "work": str(args.work), "bytes_per_run": total,
         "shards_per_run": args.shards,
-        "writeback_chunk_bytes": store.WRITEBACK_CHUNK, "direct_chunk_bytes": store.DIRECT_CHUNK,
+        "writeback_chunk_bytes": store.WRITEBACK_CHUNK,
         "mb_per_s": runs, "median_mb_per_s": medians,
-        "direct_over_page_cache": round(medians["direct"] / medians["page_cache"], 3),
         "writeback_over_page_cache": round(medians["writeback"] / medians["page_cache"], 3),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"direct {medians['direct']:,.0f} MB/s ({report['direct_over_page_cache']}x), writeback "
-          f"{medians['writeback']:,.0f} MB/s ({report['writeback_over_page_cache']}x), page cache "
-          f"{medians['page_cache']:,.0f} MB/s; wrote {args.out}")
+    print(f"writeback {medians['writeback']:,.0f} MB/s against page cache {medians['page_cache']:,.0f} MB/s: "
+          f"{report['writeback_over_page_cache']}x; wrote {args.out}")
     return 0
 
 

@@ -570,16 +570,14 @@ def test_verify_checksums_each_shard_once_and_a_shard_changed_since_is_checked_a
 
 def test_a_shard_larger_than_the_writeback_chunk_is_written_whole_and_handed_to_the_disk_as_it_goes(tmp_path,
                                                                                                      monkeypatch):
-    """The buffered path (DRAFTSMITH_SHARD_DIRECT=0, or a file system without O_DIRECT) asks the kernel to write each
-    WRITEBACK_CHUNK out as soon as it is copied (posix_fadvise): the advised ranges follow one another from byte 0,
-    and the file is the same bytes as without the advice."""
+    """write_shard asks the kernel to write each WRITEBACK_CHUNK out as soon as it is copied (posix_fadvise): the
+    advised ranges follow one another from byte 0, and the file is the same bytes as without the advice."""
     import os
 
     from draftsmith.data import store
 
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("no posix_fadvise on this platform: write_shard writes as before")
-    monkeypatch.setenv("DRAFTSMITH_SHARD_DIRECT", "0")
     g = torch.Generator().manual_seed(1)
     tensors = {"0.aux": torch.randn(300, 50, generator=g).to(torch.bfloat16),
                "0.input_ids": torch.arange(300, dtype=torch.int32)}
@@ -604,63 +602,3 @@ def test_a_shard_larger_than_the_writeback_chunk_is_written_whole_and_handed_to_
     assert len(advised) == asked  # the environment's switch turns it off too
     chunked = (tmp_path / "chunked.safetensors").read_bytes()
     assert len(chunked) == size and chunked == (tmp_path / "plain.safetensors").read_bytes()
-
-
-def test_a_shard_written_past_the_page_cache_is_the_same_file_and_falls_back_where_o_direct_is_refused(tmp_path,
-                                                                                                      monkeypatch):
-    """write_shard writes with O_DIRECT through an aligned buffer, DIRECT_CHUNK at a time, the last chunk padded and
-    the file cut back: the same bytes as the buffered path, whatever the shard's size. A file system that refuses
-    O_DIRECT at open (tmpfs) or at the first write gets the buffered path, and the same file."""
-    import errno
-    import os
-
-    from safetensors.torch import load_file
-
-    from draftsmith.data import store
-
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform: write_shard writes buffered")
-    try:  # does this file system take O_DIRECT at all?
-        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
-    except OSError:
-        pytest.skip(f"{tmp_path} refuses O_DIRECT: write_shard writes buffered there")
-    import fcntl  # POSIX, as O_DIRECT is
-    g = torch.Generator().manual_seed(2)
-    tensors = {"0.aux": torch.randn(301, 50, generator=g).to(torch.bfloat16),  # 3 chunks of 8 KiB and a tail
-               "0.input_ids": torch.arange(301, dtype=torch.int32), "0.loss_mask": torch.ones(301, dtype=torch.int8)}
-    order, prefix, _ = store.shard_layout(tensors)
-    monkeypatch.setattr(store, "DIRECT_CHUNK", 8192)
-    opened, real_open = [], os.open
-    monkeypatch.setattr(os, "open", lambda path, flags, *a: (opened.append(flags), real_open(path, flags, *a))[1])
-    store.write_shard(tensors, order, prefix, tmp_path / "direct.safetensors")
-    assert any(flags & os.O_DIRECT for flags in opened)
-    direct = (tmp_path / "direct.safetensors").read_bytes()
-    assert len(direct) == len(prefix) + 301 * (50 * 2 + 4 + 1) and len(direct) % 4096  # cut back from the padding
-    monkeypatch.setenv("DRAFTSMITH_SHARD_DIRECT", "0")
-    store.write_shard(tensors, order, prefix, tmp_path / "buffered.safetensors")
-    assert direct == (tmp_path / "buffered.safetensors").read_bytes()
-    assert all(torch.equal(load_file(tmp_path / "direct.safetensors")[k], t) for k, t in tensors.items())
-    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRECT")
-
-    def refuse_at_open(path, flags, *a):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a)
-
-    monkeypatch.setattr(os, "open", refuse_at_open)
-    store.write_shard(tensors, order, prefix, tmp_path / "refused_at_open.safetensors")
-    monkeypatch.setattr(os, "open", real_open)
-    real_write = os.write
-
-    def refuse_direct_writes(fd, data):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", refuse_direct_writes)
-    store.write_shard(tensors, order, prefix, tmp_path / "refused_at_write.safetensors")
-    for name in ("refused_at_open", "refused_at_write"):
-        assert (tmp_path / f"{name}.safetensors").read_bytes() == direct, name
-    assert sorted(p.name for p in tmp_path.iterdir()) == [  # no temporary file left behind
-        "buffered.safetensors", "direct.safetensors", "probe", "refused_at_open.safetensors",
-        "refused_at_write.safetensors"]

@@ -25,10 +25,8 @@ error naming the key, shard or sample.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import struct
@@ -228,11 +226,8 @@ def shard_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[str], bytes, di
 
 
 # Bytes written before the kernel is asked to start putting them on disk (None: leave it to the page cache, as
-# DRAFTSMITH_SHARD_WRITEBACK=0 does, for side-by-side timing); the buffered path's only
+# DRAFTSMITH_SHARD_WRITEBACK=0 does, for side-by-side timing)
 WRITEBACK_CHUNK: int | None = 64 << 20
-# The direct path's unit: bytes copied into one page-aligned buffer, then written past the page cache in one call
-DIRECT_CHUNK = 64 << 20
-DIRECT_ALIGN = 4096  # O_DIRECT wants the buffer, the file offset and the length on multiples of the block size
 
 
 def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes, path: Path) -> None:
@@ -242,93 +237,25 @@ def write_shard(tensors: dict[str, torch.Tensor], order: list[str], prefix: byte
     gigabytes per shard on the collector's host path; the format is a header and the raw bytes, and safetensors'
     own reader (`safe_open`) checks what is written here whenever a shard is read.
 
-    Why O_DIRECT: a collection writes each byte once and reads it back only in another process, so the page cache
-    buys nothing, and on the H200 machine its path was the bound: a buffered 10 GiB write with a closing fsync ran at
-    955 MB/s, the same bytes through O_DIRECT at 1.5 GB/s (benchmarks/results/collect_store_h200/). Where the file
-    system refuses O_DIRECT (tmpfs, some network mounts), where os has none (macOS), or with
-    DRAFTSMITH_SHARD_DIRECT=0, the buffered path writes it (`_write_buffered`)."""
+    Why the writeback: left alone, the kernel keeps a shard's gigabytes dirty in the page cache (below
+    `vm.dirty_background_ratio` of the memory) and the disk idles until the closing fsync writes them all, so
+    copying and writing take turns. Every WRITEBACK_CHUNK bytes, `posix_fadvise(DONTNEED)` starts the
+    disk writing what was just copied (on Linux it starts writeback of the range, without waiting, and drops
+    it from the cache once clean), so the disk writes while the next chunk is copied
+    (benchmarks/shard_write.py)."""
     from draftsmith.models.checkpoint import replace_atomically
 
     def write(tmp: Path) -> None:
-        if not _write_direct(tmp, _shard_bytes(tensors, order, prefix)):
-            _write_buffered(tmp, _shard_bytes(tensors, order, prefix))
+        with tmp.open("wb") as f:
+            writeback = _Writeback(f)
+            for part in _shard_bytes(tensors, order, prefix):
+                step = writeback.chunk or len(part) or 1
+                for start in range(0, len(part), step):
+                    piece = part[start:start + step]  # a memoryview's slice: no copy
+                    f.write(piece)
+                    writeback.wrote()
 
     replace_atomically(path, write)
-
-
-def _write_direct(tmp: Path, parts) -> bool:
-    """Write `parts` (byte views) to `tmp` with O_DIRECT, DIRECT_CHUNK at a time through two page-aligned buffers:
-    one is copied into while a second thread writes the other (the write waits for the disk; it holds no GIL), so
-    copying and writing overlap. The last chunk is padded to DIRECT_ALIGN and the file cut back to its size. False,
-    with nothing kept, where O_DIRECT is not to be had (the caller then writes buffered)."""
-    if not hasattr(os, "O_DIRECT") or os.environ.get("DRAFTSMITH_SHARD_DIRECT") == "0":
-        return False
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
-    except OSError as e:
-        if e.errno == errno.EINVAL:  # the file system takes no O_DIRECT
-            return False
-        raise
-    buffers = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(2)]  # anonymous memory: page-aligned
-    chunks = [memoryview(b) for b in buffers]
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="draftsmith-shard-io") as disk:
-            writing: Future | None = None  # at most one chunk in flight, never the one being filled
-            chunk, filled, size = chunks[0], 0, 0
-            for part in parts:
-                start = 0
-                while start < len(part):
-                    n = min(DIRECT_CHUNK - filled, len(part) - start)
-                    chunk[filled:filled + n] = part[start:start + n]
-                    filled, start = filled + n, start + n
-                    if filled == DIRECT_CHUNK:
-                        if writing is not None:
-                            writing.result()
-                        writing = disk.submit(_write_all, fd, chunk)
-                        chunk = chunks[1] if chunk is chunks[0] else chunks[0]
-                        size, filled = size + filled, 0
-            if writing is not None:
-                writing.result()
-        if filled:
-            padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
-            chunk[filled:padded] = bytes(padded - filled)
-            _write_all(fd, chunk[:padded])
-            size += filled
-            os.ftruncate(fd, size)
-        return True
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # a full disk or a failing one: the caller reports it
-            raise
-        return False  # accepted at open, refused at the write (some FUSE and network file systems)
-    finally:
-        os.close(fd)
-        for b in buffers:
-            try:
-                b.close()
-            except BufferError:  # a view of it still held by a raised error's frames: freed with them
-                pass
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while len(data):
-        data = data[os.write(fd, data):]
-
-
-def _write_buffered(tmp: Path, parts) -> None:
-    """Write `parts` through the page cache, asking the kernel to start writing every WRITEBACK_CHUNK as it comes.
-
-    Left alone, the kernel keeps a shard's gigabytes dirty in the page cache (below `vm.dirty_background_ratio` of
-    the memory) and the disk idles until the closing fsync writes them all, so copying and writing take turns.
-    `posix_fadvise(DONTNEED)` starts the disk writing what was just copied (on Linux it starts writeback of the
-    range, without waiting, and drops it from the cache once clean): 1.25-1.35x the MB/s on the CPU machine
-    (benchmarks/shard_write.py), no change on the H200 machine."""
-    with tmp.open("wb") as f:
-        writeback = _Writeback(f)
-        for part in parts:
-            step = writeback.chunk or len(part) or 1
-            for start in range(0, len(part), step):
-                f.write(part[start:start + step])  # a memoryview's slice: no copy
-                writeback.wrote()
 
 
 class _Writeback:
