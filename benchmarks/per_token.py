@@ -106,6 +106,10 @@ CONFIGS: dict[str, list[str]] = {
     # held-out one (call 9: step-0 0.63 against 0.54): decoupled weight decay as a regulariser, two strengths
     "fhw_kernels_32k_lr2e-3_compile_wd0.1": [*FHW_32K_COMPILE, "training.weight_decay=0.1"],
     "fhw_kernels_32k_lr2e-3_compile_wd0.5": [*FHW_32K_COMPILE, "training.weight_decay=0.5"],
+    # weight decay changed nothing (call 10); noise on the target states fc reads (eagle3.feature_noise, relative to
+    # each aux layer's RMS) is the regulariser EAGLE-1 trained with: two widths
+    "fhw_kernels_32k_lr2e-3_compile_noise0.2": [*FHW_32K_COMPILE, "eagle3.feature_noise=0.2"],
+    "fhw_kernels_32k_lr2e-3_compile_noise0.5": [*FHW_32K_COMPILE, "eagle3.feature_noise=0.5"],
     # Muon at 32,768 tokens a step: its orthogonalisation costs the same per step whatever the tokens, so its share
     # of the step shrinks as the step grows, while it learns more per step (+0.09 at k=5 at equal steps)
     "fhmw_kernels_32k_lr2e-3": [*FH_MUON_WSD, *KERNELS, "training.tokens_per_step=32768", "training.lr=2e-3"],

@@ -1,6 +1,7 @@
 """End-to-end training on the fixture target: the loop learns, checkpoints load, resume is exact."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -496,3 +497,28 @@ def test_collate_right_pads_each_sample_in_place():
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert packed["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 0, 1, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+
+
+def test_feature_noise_is_relative_to_each_aux_layer_and_stays_out_of_the_export(tmp_path, fixture_target_dir):
+    """eagle3.feature_noise disturbs each aux layer's state by the same fraction of its own RMS (a quiet early layer
+    is not drowned, a loud late one not left untouched), only while training: the checkpoint's config, which the
+    exports copy, has no such key, and a run with it trains to finite losses."""
+    from draftsmith.models.eagle3.training import with_relative_noise
+
+    torch.manual_seed(0)
+    quiet, loud = torch.randn(2, 64, 32), 1000 * torch.randn(2, 64, 32)
+    noise = with_relative_noise(torch.cat([quiet, loud], -1), 2, 0.2) - torch.cat([quiet, loud], -1)
+    for state, part in ((quiet, noise[..., :32]), (loud, noise[..., 32:])):
+        rms = state.pow(2).mean(-1, keepdim=True).sqrt()
+        assert (part.abs() <= 0.1 * rms + 1e-6).all()  # U(-w/2, w/2) x RMS, w = 0.2
+        assert 0.8 < (part / rms).std().item() / (0.2 / 12 ** 0.5) < 1.2  # the uniform's spread, not 0
+
+    lines = []
+    data = write_conversations(tmp_path / "conv.jsonl")
+    recipe = tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2, grad_accum_steps=1, save_every=2)
+    recipe.eagle3.feature_noise = 0.2
+    train(recipe, log=lines.append)
+    assert "target states read with uniform noise of width 0.2 x each aux layer's RMS" in "\n".join(lines)
+    config = json.loads((tmp_path / "run" / "checkpoint-2" / "config.json").read_text())
+    assert "feature_noise" not in json.dumps(config)
+    assert all(math.isfinite(v) for v in losses(tmp_path / "run").values())

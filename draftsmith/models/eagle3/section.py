@@ -2,8 +2,9 @@
 
 The section holds the drafter's forward-pass variants, named and computed as vLLM's llama_eagle3.py and the
 speculators package do; SGLang implements none of them, so a drafter with any of them on exports to vLLM's layouts
-only. EAGLE-3's training keys (TTT depth, loss, attention blocking) stay in the `training:` section, where recipes
-have always set them.
+only. It also holds `feature_noise`, which only training reads (as `eagle.hidden_noise` is EAGLE-1's). EAGLE-3's
+other training keys (TTT depth, loss, attention blocking) stay in the `training:` section, where recipes have always
+set them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from draftsmith.models.spec import Section, check_layer_ids, draft_vocab_size_for
 
@@ -25,6 +26,14 @@ class Eagle3Section(Section):
     fc_norm: bool = False  # one RMSNorm per aux layer before fc (the EAGLE 3.1 paper's form)
     norm_before_residual: bool = False  # the residual is hidden_norm(h), not h
     norm_output: bool = False  # feed norm(out) back as the next draft step's hidden (EAGLE 3.1)
+    # Training only: uniform noise U(-a/2, a/2) times each aux layer's RMS at each position, added to the target
+    # states fc reads, a regulariser for runs that see their records many times (EAGLE-1's eagle.hidden_noise, made
+    # relative because the aux layers' scales differ by orders of magnitude). 0 keeps the loss deterministic.
+    feature_noise: float = Field(0.0, ge=0)
+
+    def variants(self) -> dict[str, bool]:
+        """The forward-pass flags, which the drafter's config (and so the export) records."""
+        return self.model_dump(exclude={"feature_noise"})
 
     @model_validator(mode="after")
     def _check(self) -> Eagle3Section:

@@ -38,12 +38,16 @@ class Eagle3Method:
         self.train_head = training.train_draft_head
         self.config = Eagle3Config.from_target(
             target.config, draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size), recipe.model.aux_layer_ids,
-            target_name_or_path=recipe.model.target, **recipe.eagle3.model_dump(),
+            target_name_or_path=recipe.model.target, **recipe.eagle3.variants(),
         )
         self.draft_vocab_size = self.config.draft_vocab_size
-        on = [name for name, value in recipe.eagle3.model_dump().items() if value]
+        on = [name for name, value in recipe.eagle3.variants().items() if value]
         self.notes = [f"eagle3: {', '.join(on)} on (vLLM's speculators layout serves them, SGLang does not)"] if on \
             else []
+        self.feature_noise = recipe.eagle3.feature_noise
+        if self.feature_noise:
+            self.notes.append(f"eagle3: target states read with uniform noise of width {self.feature_noise:g} x "
+                              f"each aux layer's RMS")
         self.aux_layer_ids = self.config.aux_layer_ids
         self.ttt_attention = resolve_backend(training.ttt_attention, target.device, self.config.head_dim)
 
@@ -78,8 +82,19 @@ class Eagle3Method:
             token_embeds = self.target.embed_tokens(batch["input_ids"])  # (B, S, H) frozen
         targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=batch["loss_mask"],
                        count_mean=self.count_mean, **self.loss_options)
-        return drafter(captured.aux_hidden, token_embeds, self.ttt_steps, loss_targets=targets, position_ids=positions,
-                       doc_ids=docs)
+        aux = captured.aux_hidden
+        if self.feature_noise:
+            aux = with_relative_noise(aux, len(self.aux_layer_ids), self.feature_noise)
+        return drafter(aux, token_embeds, self.ttt_steps, loss_targets=targets, position_ids=positions, doc_ids=docs)
+
+
+def with_relative_noise(aux_hidden: torch.Tensor, num_layers: int, width: float) -> torch.Tensor:
+    """aux_hidden (B, S, n*H), n layers' states side by side, plus U(-width/2, width/2) times each layer's RMS at
+    each position (eagle3.feature_noise): the same relative disturbance for a quiet early layer and a loud late one."""
+    states = aux_hidden.float().unflatten(-1, (num_layers, -1))  # (B, S, n, H)
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()
+    noisy = states + (torch.rand_like(states) - 0.5) * (width * rms)
+    return noisy.flatten(-2).to(aux_hidden.dtype)
 
 
 def auto_compile(device) -> bool:
