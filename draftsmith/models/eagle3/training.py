@@ -36,12 +36,13 @@ class Eagle3Method:
         self.compile_steps = (auto_compile(target.device) if training.compile_drafter == "auto"
                               else training.compile_drafter)
         self.train_head = training.train_draft_head
+        variants = recipe.eagle3.variants()
         self.config = Eagle3Config.from_target(
             target.config, draft_vocab_size_for(recipe.model.draft_vocab_size, target.vocab_size), recipe.model.aux_layer_ids,
-            target_name_or_path=recipe.model.target, **recipe.eagle3.variants(),
+            target_name_or_path=recipe.model.target, **variants,
         )
         self.draft_vocab_size = self.config.draft_vocab_size
-        on = [name for name, value in recipe.eagle3.variants().items() if value]
+        on = [name for name, value in variants.items() if value]
         self.notes = [f"eagle3: {', '.join(on)} on (vLLM's speculators layout serves them, SGLang does not)"] if on \
             else []
         self.feature_noise = recipe.eagle3.feature_noise
