@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import shlex
 import shutil
 import sys
@@ -81,14 +82,15 @@ def forward_only(target, aux_ids, samples, batches) -> tuple[float, float]:
 @contextlib.contextmanager
 def shard_writer(kind: str):
     """The writer a collection runs with: `product` (draftsmith's: safetensors written from memory, checksummed
-    from memory in a second thread), `library` (what it was before: safetensors' save_file, then the file read
+    from memory in a second thread, 64 MiB pieces at once), `sha256` (the same with one sha256 stream a shard, as
+    before the tree checksum), `library` (what it was before: safetensors' save_file, then the file read
     back for its checksum) or `no-save` (shards neither written nor checksummed: the device and main-thread path
     alone, the bound a writer can reach). Also times the final flush (landing the last batch, waiting for the last
     shard), a cost a long collection pays once."""
     import draftsmith.data.store as store
     from draftsmith.models.checkpoint import save_safetensors_atomic
 
-    saved = {name: getattr(store, name) for name in ("write_shard", "shard_sha256")}
+    saved = {name: getattr(store, name) for name in ("write_shard", "shard_checksum")}
     flush, timing = store.ShardWriter.flush, {"final_flush_seconds": 0.0}
     if kind == "library":
         pending = {}
@@ -97,18 +99,24 @@ def shard_writer(kind: str):
             save_safetensors_atomic({n: tensors[n] for n in order}, path)
             pending[id(tensors)] = path
 
-        def shard_sha256(tensors, order, prefix):  # runs beside write_shard: read the file back once it is there
+        def shard_checksum(tensors, order, prefix):  # runs beside write_shard: read the file back once it is there
             while id(tensors) not in pending:
                 time.sleep(0.005)
-            return store._sha256_file(pending.pop(id(tensors)))
+            return store._checksum_file(pending.pop(id(tensors)))
+    elif kind == "sha256":
+        def shard_checksum(tensors, order, prefix):  # one sha256 stream over the whole shard, from memory
+            h = hashlib.sha256()
+            for part in store._shard_bytes(tensors, order, prefix):
+                h.update(part)
+            return h.hexdigest()
     elif kind == "no-save":
         def write_shard(tensors, order, prefix, path):
             path.touch()
 
-        def shard_sha256(tensors, order, prefix):
+        def shard_checksum(tensors, order, prefix):
             return ""
     elif kind != "product":
-        raise ValueError(f"writer {kind!r}: product, library or no-save")
+        raise ValueError(f"writer {kind!r}: product, sha256, library or no-save")
 
     def timed_flush(self):
         start = time.perf_counter()
@@ -116,8 +124,10 @@ def shard_writer(kind: str):
         timing["final_flush_seconds"] += time.perf_counter() - start
 
     try:
-        if kind != "product":
-            store.write_shard, store.shard_sha256 = write_shard, shard_sha256
+        if kind == "sha256":
+            store.shard_checksum = shard_checksum
+        elif kind != "product":
+            store.write_shard, store.shard_checksum = write_shard, shard_checksum
         store.ShardWriter.flush = timed_flush
         yield timing
     finally:
@@ -126,8 +136,26 @@ def shard_writer(kind: str):
         store.ShardWriter.flush = flush
 
 
+@contextlib.contextmanager
+def host_copies(kind: str):
+    """The device-to-host copies a collection runs with: `side-stream` (draftsmith's: `device.HostStaging`, a copy
+    stream into two reused pinned buffers) or `queued` (what it was before: `device.device_to_host_async`, the
+    copies on the compute stream into fresh blocks of torch's pinned cache)."""
+    import draftsmith.data.store as store
+
+    to_host = store.ShardWriter._to_host
+    if kind == "queued":
+        store.ShardWriter._to_host = lambda self, tensors: dev.device_to_host_async(tensors)
+    elif kind != "side-stream":
+        raise ValueError(f"host copies {kind!r}: side-stream or queued")
+    try:
+        yield
+    finally:
+        store.ShardWriter._to_host = to_host
+
+
 def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, folder: Path, dtype, batch_tokens,
-                       max_shard_bytes, target_name, writer: str = "product") -> dict:
+                       max_shard_bytes, target_name, writer: str = "product", staging: str = "side-stream") -> dict:
     lengths = [len(s.input_ids) for s in samples]
     tokens = sum(lengths)
     batches = plan_batches(list(range(len(samples))), lengths, batch_tokens)
@@ -135,7 +163,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
     shutil.rmtree(folder, ignore_errors=True)
     header = store_header(target_name, tokenizer, aux_ids, target.config.hidden_size, samples, num_train, dtype)
     dev.synchronize(target.device)
-    with shard_writer(writer) as timing:
+    with shard_writer(writer) as timing, host_copies(staging):
         start = time.perf_counter()
         collect_rank(target, aux_ids, samples, folder, header, max_shard_bytes=max_shard_bytes, dtype=dtype,
                      batch_tokens=batch_tokens, log=lambda *a: None)
@@ -144,7 +172,8 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
     before_flush_s = collect_s - timing["final_flush_seconds"]
     hidden = target.config.hidden_size
     theory = (len(aux_ids) + 1) * hidden * getattr(torch, dtype).itemsize
-    row = {"target": name, "dtype": dtype, "writer": writer, "samples": len(samples), "tokens": tokens,
+    row = {"target": name, "dtype": dtype, "writer": writer, "host_copies": staging, "samples": len(samples),
+           "tokens": tokens,
            "batches": len(batches),
            "batch_tokens": batch_tokens, "aux_layer_ids": list(aux_ids), "hidden_size": hidden,
            "forward_only_seconds": round(forward_s, 3), "forward_only_tokens_per_s": round(tokens / forward_s),
@@ -159,7 +188,8 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
            "store_bytes": index["bytes"], "shards": len(index["shards"]),
            "bytes_per_token": round(index["bytes"] / tokens, 2), "theoretical_bytes_per_token": theory,
            "store_over_theoretical": round(index["bytes"] / (tokens * theory), 4)}
-    print(f"{name} {dtype} ({writer} writer): forward {row['forward_only_tokens_per_s']:,} tok/s, collect "
+    print(f"{name} {dtype} ({writer} writer, {staging} copies): forward {row['forward_only_tokens_per_s']:,} tok/s, "
+          f"collect "
           f"{row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
           f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x), final flush "
           f"{row['final_flush_seconds']:.1f} s (without it {row['collect_tokens_per_s_without_final_flush']:,} tok/s, "
@@ -172,7 +202,7 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
     written in one thread, checksummed and recorded in another, while the caller goes on) with draftsmith's
     writer and with safetensors' (`shard_writer`), against the same shards written and checksummed one after the
     other in the caller, as collection did first."""
-    from draftsmith.data.store import ShardWriter, _sha256_file
+    from draftsmith.data.store import ShardWriter, _checksum_file
     from draftsmith.models.checkpoint import save_safetensors_atomic
 
     count = int(gigabytes * 1e9 / (length * (num_aux + 1) * hidden * 2))
@@ -203,7 +233,7 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
             path = folder / "sequential" / f"shard-{n:05d}.safetensors"
             path.parent.mkdir(parents=True, exist_ok=True)
             save_safetensors_atomic(pending, path)
-            _sha256_file(path)
+            _checksum_file(path)
             pending, size, n = {}, 0, n + 1
     sequential = time.perf_counter() - start
     total = count * length * ((num_aux + 1) * hidden * 2 + 5)
@@ -250,8 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-8b", action="store_true")
     p.add_argument("--shape-dtypes", default="bfloat16", help="store dtypes collected with the 8B shape, comma-joined")
     p.add_argument("--shape-writers", default="product",
-                   help="writers the 8B shape's first dtype collects with, comma-joined: product, library, no-save "
+                   help="writers the 8B shape's first dtype collects with, comma-joined: product, sha256, library, "
+                        "no-save "
                         "(shard_writer); further dtypes collect with the product's")
+    p.add_argument("--shape-copies", default="side-stream",
+                   help="host copies the 8B shape's first dtype collects with, comma-joined: side-stream, queued "
+                        "(host_copies), each with every writer; further dtypes use the first")
+    p.add_argument("--shape-repeats", type=int, default=1, help="measure the first dtype's combinations this often")
     p.add_argument("--no-fixture", action="store_true", help="skip the fixture's collections (and the training)")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny random shape instead of the 8B one (CPU smoke)")
@@ -314,17 +349,21 @@ def main(argv: list[str] | None = None) -> int:
                 break
             chosen.append(s)
             total += len(s.input_ids)
-        for n, dtype in enumerate(args.shape_dtypes.split(",")):
-            for writer in args.shape_writers.split(",") if n == 0 else ["product"]:
-                if not time_left():
-                    print(f"skipping the 8B shape {dtype} {writer}: past the deadline", flush=True)
-                    continue
-                report["collection"].append(measure_collection(
-                    "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen,
-                    len(chosen), args.work / "store-8b", dtype, recipe.collect.batch_tokens,
-                    recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape", writer))
-                save()
-                shutil.rmtree(args.work / "store-8b", ignore_errors=True)
+        copies = args.shape_copies.split(",")
+        runs = [(dtype, writer, staging) for n, dtype in enumerate(args.shape_dtypes.split(","))
+                for _ in range(args.shape_repeats if n == 0 else 1)
+                for writer in (args.shape_writers.split(",") if n == 0 else ["product"])
+                for staging in (copies if n == 0 else copies[:1])]
+        for dtype, writer, staging in runs:
+            if not time_left():
+                print(f"skipping the 8B shape {dtype} {writer} {staging}: past the deadline", flush=True)
+                continue
+            report["collection"].append(measure_collection(
+                "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen,
+                len(chosen), args.work / "store-8b", dtype, recipe.collect.batch_tokens,
+                recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape", writer, staging))
+            save()
+            shutil.rmtree(args.work / "store-8b", ignore_errors=True)
         del big
         dev.empty_cache(device)
 

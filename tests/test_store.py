@@ -3,6 +3,7 @@ as online), a SIGKILLed collection resumes to the same store, and damaged or for
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.cli import main as cli_main
 from draftsmith.train.collect import collect
 from draftsmith.config import recipe_from_dict, save_recipe
-from draftsmith.data.store import INDEX, HiddenStateStore, StoreError, _sha256_file
+from draftsmith.data.store import INDEX, HiddenStateStore, StoreError, _checksum_file, _sha256_file
 from draftsmith.models.target import TargetModel
 from draftsmith.train import train
 from test_train import losses, tiny_recipe, write_conversations
@@ -133,6 +134,29 @@ def test_a_damaged_shard_is_named(collected, tmp_path):
         HiddenStateStore(folder).sample(5)
 
 
+def test_a_format_1_store_with_plain_sha256_checksums_is_still_read_and_checked(collected, tmp_path):
+    """Stores written before the tree checksum (format 1: each shard's plain sha256) still verify and load, and a
+    damaged shard in one is still named."""
+    folder = copy_store(collected[1], tmp_path)
+    index = json.loads((folder / INDEX).read_text())
+    index["format"] = "draftsmith-hidden-states/1"
+    del index["checksum_leaf_bytes"]
+    for name, shard in index["shards"].items():
+        del shard["sha256_tree"]
+        shard["sha256"] = _sha256_file(folder / name)
+    (folder / INDEX).write_text(json.dumps(index))
+    store = HiddenStateStore(folder)
+    store.verify()
+    store.check_matches({k: json.loads((collected[1] / INDEX).read_text())[k] for k in HiddenStateStore.CHECKED})
+    assert store.sample(3)[0].shape[0] == len(store.sample(3)[2])
+    name = index["samples"][5][0]
+    with (folder / name).open("r+b") as f:
+        f.seek(index["samples"][5][1] + 16)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(StoreError, match=f"{name}: fails its checksum"):
+        HiddenStateStore(folder).verify()
+
+
 def test_a_non_finite_sample_is_named(collected, tmp_path):
     folder = copy_store(collected[1], tmp_path)
     index = json.loads((folder / INDEX).read_text())
@@ -140,7 +164,7 @@ def test_a_non_finite_sample_is_named(collected, tmp_path):
     tensors = load_file(folder / name)
     tensors["9.last"][2, 0] = float("nan")
     save_file(tensors, folder / name, metadata={"format": "pt"})
-    index["shards"][name]["sha256"] = _sha256_file(folder / name)
+    index["shards"][name]["sha256_tree"] = _checksum_file(folder / name)
     (folder / INDEX).write_text(json.dumps(index))
     with pytest.raises(StoreError, match=f"{name}: sample 9 holds a non-finite"):
         HiddenStateStore(folder).sample(9)
@@ -374,6 +398,13 @@ def test_the_writer_lands_each_batch_whole_and_names_a_non_finite_sample(tmp_pat
     assert shards_of("tail", [21, 15, 9, 0]) == [[0, 1, 2, 3, 4], [5, 6], [7, 8, 9]]
     assert shards_of("unknown", [None] * 4) == [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9]]
 
+    # progress left by another format's collection (its checksums are not this one's): refused by name, not resumed
+    progress = json.loads((tmp_path / "ok" / "progress-r0.json").read_text())
+    (tmp_path / "ok" / "progress-r0.json").write_text(json.dumps({**progress, "format": "draftsmith-hidden-states/1"}))
+    with pytest.raises(StoreError, match=r"progress-r0.json: a test by another draftsmith version \(format "
+                                         r"'draftsmith-hidden-states/1'"):
+        ShardWriter(tmp_path / "ok", 0, {"t": 1}, "float32", 100, "a test")
+
     bad = ShardWriter(tmp_path / "bad", 0, {"t": 1}, "float32", 10_000, "a test")
     bad.add_batch(batch([0, 1], nan=1))
     with pytest.raises(StoreError, match="sample 1 are not finite"):
@@ -389,7 +420,7 @@ def test_a_shard_is_read_back_by_safetensors_with_its_checksum_and_offsets(tmp_p
 
     from safetensors import safe_open
 
-    from draftsmith.data.store import shard_layout, shard_sha256, write_shard
+    from draftsmith.data.store import shard_checksum, shard_layout, write_shard
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -403,14 +434,17 @@ def test_a_shard_is_read_back_by_safetensors_with_its_checksum_and_offsets(tmp_p
     order, prefix, offsets = shard_layout(tensors)
     path = tmp_path / "shard.safetensors"
     write_shard(tensors, order, prefix, path)
-    assert shard_sha256(tensors, order, prefix) == _sha256_file(path)
+    raw = path.read_bytes()
+    for leaf in (7, 64, 1 << 20):  # pieces cut inside a tensor, at tensor ends, and one piece for the whole file
+        pieces = b"".join(hashlib.sha256(raw[i:i + leaf]).digest() for i in range(0, len(raw), leaf))
+        assert shard_checksum(tensors, order, prefix, leaf) == _checksum_file(path, leaf) \
+            == hashlib.sha256(pieces).hexdigest()
     with safe_open(str(path), framework="pt") as f:
         assert set(f.keys()) == set(tensors) and f.metadata() == {"format": "pt"}
         for name, t in tensors.items():
             back = f.get_tensor(name)
             assert back.dtype == t.dtype and back.shape == t.shape
             assert torch.equal(back.view(torch.uint8), t.contiguous().view(torch.uint8)), name
-    raw = path.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
     assert (8 + header_len) % 8 == 0 and len(raw) == len(prefix) + sum(t.numel() * t.element_size()
                                                                        for t in tensors.values())
@@ -546,8 +580,8 @@ def test_verify_checksums_each_shard_once_and_a_shard_changed_since_is_checked_a
     import draftsmith.data.store as store_mod
 
     folder = copy_store(collected[1], tmp_path)
-    hashed, real = [], store_mod._sha256_file
-    monkeypatch.setattr(store_mod, "_sha256_file", lambda path, *a: hashed.append(path.name) or real(path, *a))
+    hashed, real = [], store_mod._checksum_file
+    monkeypatch.setattr(store_mod, "_checksum_file", lambda path, *a: hashed.append(path.name) or real(path, *a))
     store = HiddenStateStore(folder)
     names = sorted(store.index["shards"])
     store.verify(rank=1, world=2)

@@ -14,10 +14,11 @@ A store is a folder:
 `aux` is what `TargetModel.capture` returns for the method's aux layer ids (the residual stream entering each
 layer, DESIGN.md's capture ids) and `last` the final-normed last hidden state, from which training recomputes the
 teacher with the target's frozen head (the logits are never stored). Sample ids are the prepared data's order:
-the training samples, then the held-out ones. index.json records what the states belong to (target fingerprint,
-aux layer ids, tokenizer and chat template, a hash of the tokenized data), the dtype and sizes, every shard's
-sha256 and, per sample, [shard, byte offset of its aux tensor, length]. The target fingerprint includes sampled
-bytes of every weight file (`sampled_weights`), so weights changed in place are seen without reading them all.
+the training samples, then the held-out ones. index.json records what the states belong to (target fingerprint, aux
+layer ids, tokenizer and chat template, a hash of the tokenized data), the dtype and sizes, every shard's checksum
+(`shard_checksum`: sha256 over the sha256 of each 64 MiB piece) and, per sample, [shard, byte offset of its aux
+tensor, length]. The target fingerprint includes sampled bytes of every weight file (`sampled_weights`), so weights
+changed in place are seen without reading them all.
 Training checks all of it before its first step (every shard's checksum too, unless data.verify_store is false): a
 store that does not belong to the recipe, a shard that fails its checksum, or a non-finite state is a one-line
 error naming the key, shard or sample.
@@ -39,7 +40,9 @@ import torch
 
 from draftsmith import device as dev
 
-STORE_FORMAT = "draftsmith-hidden-states/1"
+STORE_FORMAT = "draftsmith-hidden-states/2"
+# format 1 recorded each shard's plain sha256 ("sha256"); format 2 its tree checksum ("sha256_tree"); both are read
+READABLE_FORMATS = ("draftsmith-hidden-states/1", STORE_FORMAT)
 INDEX = "index.json"
 AUX_CONVENTION = ("capture id k = the residual stream entering decoder layer k (output_hidden_states[k]); "
                   "id L = the input of the final norm")
@@ -184,7 +187,7 @@ def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
 
 
 def _sha256_file(path: Path, progress: Callable[[int], Any] | None = None) -> str:
-    """The file's sha256, read in 16 MiB blocks; `progress` is told each block's size."""
+    """The file's sha256, read in 16 MiB blocks; `progress` is told each block's size (format 1 shards)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -192,6 +195,57 @@ def _sha256_file(path: Path, progress: Callable[[int], Any] | None = None) -> st
             if progress is not None:
                 progress(len(block))
     return h.hexdigest()
+
+
+# A shard's checksum is a two-level sha256: the sha256 of the concatenated sha256 digests of its CHECKSUM_LEAF_BYTES
+# pieces (the last one shorter). Why not the file's plain sha256: one sha256 stream ran at 1.3 GB/s on the H200's
+# host, little more than the 1 GB/s an 8B target's bf16 collection writes, so the checksum thread held collection
+# back (benchmarks/results/collect_store_h200); pieces hash on several threads at once (hashlib releases the GIL).
+CHECKSUM_LEAF_BYTES = 64 << 20
+_LEAF_HASHERS = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                   thread_name_prefix="draftsmith-sha256")
+
+
+def _leaf_digest(pieces: list[memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(piece)
+    return h.digest()
+
+
+def _leaves(parts, leaf_bytes: int):
+    """The byte stream of `parts` cut every `leaf_bytes`: each leaf as the list of slices (no copies) it spans."""
+    leaf, filled = [], 0
+    for part in parts:
+        view, start = memoryview(part), 0
+        while start < len(view):
+            take = min(leaf_bytes - filled, len(view) - start)
+            leaf.append(view[start:start + take])
+            filled, start = filled + take, start + take
+            if filled == leaf_bytes:
+                yield leaf
+                leaf, filled = [], 0
+    if leaf:
+        yield leaf
+
+
+def _checksum_file(path: Path, leaf_bytes: int = CHECKSUM_LEAF_BYTES,
+                   progress: Callable[[int], Any] | None = None) -> str:
+    """A file's tree checksum (as `shard_checksum` takes it from memory), read in 16 MiB blocks; `progress` is told
+    each block's size."""
+    leaves, leaf, filled = [], hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while block := f.read(min(1 << 24, leaf_bytes - filled)):
+            leaf.update(block)  # releases the GIL: threads check several files at once
+            filled += len(block)
+            if filled == leaf_bytes:
+                leaves.append(leaf.digest())
+                leaf, filled = hashlib.sha256(), 0
+            if progress is not None:
+                progress(len(block))
+    if filled:
+        leaves.append(leaf.digest())
+    return hashlib.sha256(b"".join(leaves)).hexdigest()
 
 
 # safetensors' names of the dtypes a store holds
@@ -282,12 +336,13 @@ class _Writeback:
             self.done = written
 
 
-def shard_sha256(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes) -> str:
-    """The sha256 of the file `write_shard` writes, from the tensors in memory (no re-reading of the file)."""
-    h = hashlib.sha256()
-    for part in _shard_bytes(tensors, order, prefix):
-        h.update(part)
-    return h.hexdigest()
+def shard_checksum(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes,
+                   leaf_bytes: int = CHECKSUM_LEAF_BYTES) -> str:
+    """The tree checksum of the file `write_shard` writes (`_checksum_file`'s), from the tensors in memory (no
+    re-reading of the file), its pieces hashed on several threads."""
+    pieces = [_LEAF_HASHERS.submit(_leaf_digest, leaf)
+              for leaf in _leaves(_shard_bytes(tensors, order, prefix), leaf_bytes)]
+    return hashlib.sha256(b"".join(piece.result() for piece in pieces)).hexdigest()
 
 
 def _shard_bytes(tensors: dict[str, torch.Tensor], order: list[str], prefix: bytes):
@@ -331,11 +386,11 @@ class ShardWriter:
     the folder with the same `plan` resumes: shards on record are kept, anything after them is redone.
 
     Nothing here waits for the target. A batch's states are packed, checked and cast (or quantized) on the device
-    and copied to the host behind the device's queue (pinned memory on CUDA and ROCm); the batch lands in the open
-    shard at the next `add_batch`, while the target computes the next batch. A full shard is written in the
-    background: one thread writes it straight from memory (`write_shard`), another checksums the same memory and
-    records the shard once it is on disk (at most one shard being written and one waiting for its record, so
-    memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
+    and copied to the host on a side stream into reused pinned buffers (`device.HostStaging`, CUDA and ROCm), while
+    the target computes the next batch; the batch lands in the open shard at the next `add_batch`. A full shard is
+    written in the background: one thread writes it straight from memory (`write_shard`), another checksums the same
+    memory and records the shard once it is on disk (at most one shard being written and one waiting for its record,
+    so memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
     disk and on record.
 
     A collection's end waits for what is still open to be written. So a caller that knows how many tokens follow
@@ -357,6 +412,10 @@ class ShardWriter:
         self.progress = {"format": STORE_FORMAT, "plan_sha256": digest, "rank": rank, "shards": []}
         if self.progress_file.is_file():
             previous = json.loads(self.progress_file.read_text())
+            if previous.get("format") != STORE_FORMAT:
+                raise StoreError(f"{self.progress_file}: {what} by another draftsmith version (format "
+                                 f"{previous.get('format')!r}, this one writes {STORE_FORMAT!r}) was started in this "
+                                 "folder: give it a new folder")
             if previous.get("plan_sha256") != digest:
                 raise StoreError(f"{self.progress_file}: {what} with another target, data, layers or collect "
                                  "settings was started in this folder: give it a new folder")
@@ -370,6 +429,7 @@ class ShardWriter:
         self._pending_ids: list[tuple[int, int]] = []  # (sample id, length)
         self._pending_bytes = 0
         self._in_flight: tuple | None = None  # the batch whose host copies are under way
+        self._staging = dev.HostStaging()
 
     def add_batch(self, items, tokens_after: int | None = None) -> None:
         """Samples of one batch, `items` = [(i, aux (L, n*H), last (L, H), input_ids, loss_mask)], the states on the
@@ -383,13 +443,17 @@ class ShardWriter:
         finite = torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1)  # (T,), checked once it lands
         stored = {f"{kind}{suffix}": tensor for kind, value in (("aux", aux), ("last", last))
                   for suffix, tensor in quantize_rows(value, self.dtype).items()}
-        hosts, wait = dev.device_to_host_async([finite, *stored.values()])
+        hosts, wait = self._to_host([finite, *stored.values()])
         meta = [(i, a.shape[0], ids, mask) for i, a, _, ids, mask in items]
         per_token = bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1], self.dtype)
         in_tail = tokens_after is not None and tokens_after * per_token < self.max_shard_bytes
         limit = max(1, self.max_shard_bytes // self.TAIL_SHARD_FRACTION) if in_tail else self.max_shard_bytes
         self._in_flight = (meta, list(stored), hosts, wait, per_token, limit)
         self.done.update(i for i, *_ in meta)
+
+    def _to_host(self, tensors: list[torch.Tensor]):
+        """Host copies of a batch's device tensors, on the copy stream, and the wait for them (device.HostStaging)."""
+        return self._staging.copy(tensors)
 
     def _land(self) -> None:
         """The batch in flight into the open shard (each sample's tensors are views of the batch's host copy), then
@@ -399,8 +463,7 @@ class ShardWriter:
         meta, names, hosts, wait, per_token, limit = self._in_flight
         self._in_flight = None
         wait()
-        # out of the pinned staging copies at once, so the pinned pool stays two batches deep: a new pinned block
-        # is a host allocation that waits for the device, the very stall the queued copies avoid
+        # out of the pinned staging buffer at once: the batch after next is copied into it
         hosts = [h.clone() if h.is_pinned() else h for h in hosts]
         lengths = [n for _, n, _, _ in meta]
         finite = hosts[0].split(lengths)
@@ -448,10 +511,10 @@ class ShardWriter:
     def _record(self, saved: Future, name: str, ids: list[tuple[int, int]], tensors, order, prefix, offsets) -> None:
         from draftsmith.models.checkpoint import write_json_atomic
 
-        digest = shard_sha256(tensors, order, prefix)  # while the other thread writes the same bytes
+        digest = shard_checksum(tensors, order, prefix)  # while the other thread writes the same bytes
         saved.result()
         path = self.folder / name
-        self.progress["shards"].append({"name": name, "sha256": digest, "bytes": path.stat().st_size,
+        self.progress["shards"].append({"name": name, "sha256_tree": digest, "bytes": path.stat().st_size,
                                         "samples": [[i, offsets[f"{i}.aux"], n] for i, n in ids]})
         write_json_atomic(self.progress, self.progress_file)  # the shard counts as done only from here
 
@@ -509,7 +572,7 @@ def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dic
         if not path.is_file():
             raise StoreError(f"{path}: missing: rank {rank} has not finished its part of the collection")
         for shard in json.loads(path.read_text())["shards"]:
-            shards[shard["name"]] = {"sha256": shard["sha256"], "bytes": shard["bytes"],
+            shards[shard["name"]] = {"sha256_tree": shard["sha256_tree"], "bytes": shard["bytes"],
                                      "samples": len(shard["samples"])}
             for i, offset, length in shard["samples"]:
                 if samples[i] is not None:
@@ -519,7 +582,8 @@ def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dic
     if missing:
         raise StoreError(f"{folder}: {len(missing)} samples were not collected (first: {missing[0]}); run collect "
                          "again to finish")
-    index = {**header, "num_samples": num_samples, "num_tokens": sum(s[2] for s in samples),
+    index = {**header, "checksum_leaf_bytes": CHECKSUM_LEAF_BYTES, "num_samples": num_samples,
+             "num_tokens": sum(s[2] for s in samples),
              "bytes": sum(s["bytes"] for s in shards.values()), "shards": shards, "samples": samples}
     write_json_atomic(index, folder / INDEX)
     for rank in range(world):
@@ -572,7 +636,7 @@ class HiddenStateStore:
     read unless `verify` saw it and its size and modification time are unchanged since: a second line of defence
     that costs nothing after `verify`."""
 
-    CHECKED = ("format", "target", "revision", "config_sha256", "weights_header_sha256", "weights_sampled",
+    CHECKED = ("target", "revision", "config_sha256", "weights_header_sha256", "weights_sampled",
                "aux_layer_ids", "tokenizer_sha256", "chat_template_sha256", "data_sha256", "num_train", "hidden_size")
 
     def __init__(self, folder: str | Path):
@@ -585,8 +649,9 @@ class HiddenStateStore:
             self.index = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise StoreError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-        if self.index.get("format") != STORE_FORMAT:
-            raise StoreError(f"{path}: format {self.index.get('format')!r} is not {STORE_FORMAT!r}")
+        if self.index.get("format") not in READABLE_FORMATS:
+            raise StoreError(f"{path}: format {self.index.get('format')!r} is not one this draftsmith reads "
+                             f"({', '.join(READABLE_FORMATS)})")
         self._open: dict[str, Any] = {}
         self._verified: dict[str, tuple[int, int]] = {}  # shard: (size, mtime in ns) when `verify` saw it
 
@@ -634,14 +699,22 @@ class HiddenStateStore:
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify store",
                   disable=rank != 0 or total < VERIFY_BAR_BYTES) as bar, \
                 ThreadPoolExecutor(thread_name_prefix="draftsmith-verify") as pool:  # shut down before the bar
-            digests = [pool.submit(_sha256_file, self.folder / name, bar.update) for name in mine]
+            digests = [pool.submit(self._checksum, name, bar.update) for name in mine]
             for name, digest in zip(mine, digests):  # in name order: the first damaged shard is named
-                if digest.result() != self.index["shards"][name]["sha256"]:
+                if not digest.result():
                     for pending in digests:
                         pending.cancel()  # the shards not started yet are not read
                     raise StoreError(f"{self.folder / name}: fails its checksum: the file is damaged or was changed "
                                      "after collection; collect the store again")
         self._verified = seen
+
+    def _checksum(self, name: str, progress: Callable[[int], Any] | None = None) -> bool:
+        """Whether shard `name` still matches the checksum the index records (a format 1 store: its plain sha256)."""
+        recorded, path = self.index["shards"][name], self.folder / name
+        if "sha256_tree" in recorded:
+            return _checksum_file(path, self.index.get("checksum_leaf_bytes", CHECKSUM_LEAF_BYTES),
+                                  progress) == recorded["sha256_tree"]
+        return _sha256_file(path, progress) == recorded["sha256"]
 
     def _shard(self, name: str):
         if name not in self._open:
@@ -653,7 +726,7 @@ class HiddenStateStore:
                 raise StoreError(f"{path}: missing from the store")
             st = path.stat()
             seen = self._verified.get(name) == (st.st_size, st.st_mtime_ns)  # by `verify`, untouched since
-            if not seen and _sha256_file(path) != recorded["sha256"]:
+            if not seen and not self._checksum(name):
                 raise StoreError(f"{path}: fails its checksum: the file is damaged or was changed after collection; "
                                  "collect the store again")
             self._open[name] = safe_open(str(path), framework="pt")
