@@ -136,26 +136,8 @@ def shard_writer(kind: str):
         store.ShardWriter.flush = flush
 
 
-@contextlib.contextmanager
-def host_copies(kind: str):
-    """The device-to-host copies a collection runs with: `side-stream` (draftsmith's: `device.HostStaging`, a copy
-    stream into two reused pinned buffers) or `queued` (what it was before: `device.device_to_host_async`, the
-    copies on the compute stream into fresh blocks of torch's pinned cache)."""
-    import draftsmith.data.store as store
-
-    to_host = store.ShardWriter._to_host
-    if kind == "queued":
-        store.ShardWriter._to_host = lambda self, tensors: dev.device_to_host_async(tensors)
-    elif kind != "side-stream":
-        raise ValueError(f"host copies {kind!r}: side-stream or queued")
-    try:
-        yield
-    finally:
-        store.ShardWriter._to_host = to_host
-
-
 def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, folder: Path, dtype, batch_tokens,
-                       max_shard_bytes, target_name, writer: str = "product", staging: str = "side-stream") -> dict:
+                       max_shard_bytes, target_name, writer: str = "product") -> dict:
     lengths = [len(s.input_ids) for s in samples]
     tokens = sum(lengths)
     batches = plan_batches(list(range(len(samples))), lengths, batch_tokens)
@@ -163,7 +145,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
     shutil.rmtree(folder, ignore_errors=True)
     header = store_header(target_name, tokenizer, aux_ids, target.config.hidden_size, samples, num_train, dtype)
     dev.synchronize(target.device)
-    with shard_writer(writer) as timing, host_copies(staging):
+    with shard_writer(writer) as timing:
         start = time.perf_counter()
         collect_rank(target, aux_ids, samples, folder, header, max_shard_bytes=max_shard_bytes, dtype=dtype,
                      batch_tokens=batch_tokens, log=lambda *a: None)
@@ -172,8 +154,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
     before_flush_s = collect_s - timing["final_flush_seconds"]
     hidden = target.config.hidden_size
     theory = (len(aux_ids) + 1) * hidden * getattr(torch, dtype).itemsize
-    row = {"target": name, "dtype": dtype, "writer": writer, "host_copies": staging, "samples": len(samples),
-           "tokens": tokens,
+    row = {"target": name, "dtype": dtype, "writer": writer, "samples": len(samples), "tokens": tokens,
            "batches": len(batches),
            "batch_tokens": batch_tokens, "aux_layer_ids": list(aux_ids), "hidden_size": hidden,
            "forward_only_seconds": round(forward_s, 3), "forward_only_tokens_per_s": round(tokens / forward_s),
@@ -188,7 +169,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
            "store_bytes": index["bytes"], "shards": len(index["shards"]),
            "bytes_per_token": round(index["bytes"] / tokens, 2), "theoretical_bytes_per_token": theory,
            "store_over_theoretical": round(index["bytes"] / (tokens * theory), 4)}
-    print(f"{name} {dtype} ({writer} writer, {staging} copies): forward {row['forward_only_tokens_per_s']:,} tok/s, "
+    print(f"{name} {dtype} ({writer} writer): forward {row['forward_only_tokens_per_s']:,} tok/s, "
           f"collect "
           f"{row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
           f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x), final flush "
@@ -283,9 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="writers the 8B shape's first dtype collects with, comma-joined: product, sha256, library, "
                         "no-save "
                         "(shard_writer); further dtypes collect with the product's")
-    p.add_argument("--shape-copies", default="side-stream",
-                   help="host copies the 8B shape's first dtype collects with, comma-joined: side-stream, queued "
-                        "(host_copies), each with every writer; further dtypes use the first")
     p.add_argument("--shape-repeats", type=int, default=1, help="measure the first dtype's combinations this often")
     p.add_argument("--no-fixture", action="store_true", help="skip the fixture's collections (and the training)")
     p.add_argument("--no-train", action="store_true")
@@ -349,19 +327,17 @@ def main(argv: list[str] | None = None) -> int:
                 break
             chosen.append(s)
             total += len(s.input_ids)
-        copies = args.shape_copies.split(",")
-        runs = [(dtype, writer, staging) for n, dtype in enumerate(args.shape_dtypes.split(","))
+        runs = [(dtype, writer) for n, dtype in enumerate(args.shape_dtypes.split(","))
                 for _ in range(args.shape_repeats if n == 0 else 1)
-                for writer in (args.shape_writers.split(",") if n == 0 else ["product"])
-                for staging in (copies if n == 0 else copies[:1])]
-        for dtype, writer, staging in runs:
+                for writer in (args.shape_writers.split(",") if n == 0 else ["product"])]
+        for dtype, writer in runs:
             if not time_left():
-                print(f"skipping the 8B shape {dtype} {writer} {staging}: past the deadline", flush=True)
+                print(f"skipping the 8B shape {dtype} {writer}: past the deadline", flush=True)
                 continue
             report["collection"].append(measure_collection(
                 "llama-3.1-8b-shape" if not args.tiny else "tiny-shape", big, big_aux, tokenizer, chosen,
                 len(chosen), args.work / "store-8b", dtype, recipe.collect.batch_tokens,
-                recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape", writer, staging))
+                recipe.collect.max_shard_bytes, "random-llama-3.1-8b-shape", writer))
             save()
             shutil.rmtree(args.work / "store-8b", ignore_errors=True)
         del big

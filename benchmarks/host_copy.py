@@ -1,7 +1,6 @@
 """The host-side rates a collection's writer depends on, on this machine: sha256 and the shard checksum, a host copy
-out of pinned memory (what `ShardWriter._land` does per batch), a pinned allocation, and device-to-host copies of
-one batch of 8B-shaped bf16 states, plain and beside running kernels (on the compute stream, as
-`device.device_to_host_async` queues them, and on `device.HostStaging`'s copy stream).
+out of pinned memory (what `ShardWriter._land` does per batch), a pinned allocation, and a device-to-host copy of
+one batch of 8B-shaped bf16 states.
 
     python benchmarks/host_copy.py --out host_copy.json [--gigabytes 0.5]
 """
@@ -66,29 +65,6 @@ def main(argv: list[str] | None = None) -> int:
             dev.synchronize(device)
 
         row["d2h_pinned_gb_per_s"] = round(gb / seconds(d2h), 3)
-        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-        matmul_s = seconds(lambda: (a @ a, dev.synchronize(device)), repeat=3)
-
-        def beside(kind: str) -> float:
-            """Seconds for 8 matmuls with one batch's copy queued after the first, the copy `kind`."""
-            staging = dev.HostStaging()
-            dev.synchronize(device)
-            start = time.perf_counter()
-            a @ a
-            if kind == "compute-stream":
-                _, wait = dev.device_to_host_async([src])
-            else:
-                _, wait = staging.copy([src])
-            for _ in range(7):
-                a @ a
-            wait()
-            dev.synchronize(device)
-            return time.perf_counter() - start
-
-        for kind in ("compute-stream", "side-stream"):
-            beside(kind)
-            row[f"eight_matmuls_with_copy_{kind}_seconds"] = round(min(beside(kind) for _ in range(3)), 4)
-        row["eight_matmuls_seconds"] = round(8 * matmul_s, 4)
     print(json.dumps(row, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(row, indent=1) + "\n")

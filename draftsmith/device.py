@@ -347,7 +347,9 @@ def device_to_host_async(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor
     copies and `wait` returns at once. Pinned blocks are reused once released; a new one is an allocation that
     waits for the device, so callers should not hold many (the store's writer copies out of them on landing).
     Measured on the H200 with torch 2.11, the call still returned only after the queued kernels had run
-    (tests/test_gpu.py, marked xfail): the values are right, the overlap is not there."""
+    (tests/test_gpu.py, marked xfail): the values are right, the overlap is not there. A version on a side copy
+    stream into two reused pinned buffers (commit d43ee9c) did return at once, yet collected no faster on the H200
+    (benchmarks/results/collect_store_h200/, 2026-12-04), so this one stays."""
     if not tensors or tensors[0].device.type != "cuda":
         return [t.to("cpu") for t in tensors], lambda: None
     hosts = []
@@ -358,64 +360,6 @@ def device_to_host_async(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor
     event = torch.cuda.Event()
     event.record()
     return hosts, event.synchronize
-
-
-class HostStaging:
-    """Device-to-host copies that overlap the device's next work: each call's copies run on a side copy stream
-    (behind everything queued so far on the current one) into one of two reused pinned buffers, and `wait()`
-    returns once they have landed.
-
-    Why not `device_to_host_async` (above): its copies run on the compute stream, so the next batch's kernels wait
-    for them, and each call takes fresh pinned blocks from torch's caching host allocator; measured on the H200,
-    that call returned only after the queued kernels had run. Here the copy engine moves one batch while the
-    kernels of the next run, and after the first calls no pinned memory is allocated at all.
-
-    The host tensors are views of a staging buffer that the call after next overwrites: read them (or copy them
-    out) before then, as the store's writer does when a batch lands. On NPU and CPU the copies are plain
-    `.to("cpu")` and `wait` returns at once."""
-
-    ALIGN = 64  # bytes: every host view starts at a multiple of any element size
-
-    def __init__(self, slots: int = 2):
-        self._buffers: list[torch.Tensor | None] = [None] * slots
-        self._landed: list[Callable[[], None] | None] = [None] * slots
-        self._next = 0
-        self._stream = None
-
-    def copy(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
-        if not tensors or tensors[0].device.type != "cuda":
-            return [t.to("cpu") for t in tensors], lambda: None
-        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
-        if self._landed[slot] is not None:
-            self._landed[slot]()  # this buffer's last copies have landed (its reader is done with them)
-        sizes = [-(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for t in tensors]
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < sum(sizes):
-            self._buffers[slot] = buffer = None  # back to torch's pinned cache before a larger one is taken
-            # a power of two, as torch's caching host allocator rounds: batches of varying size reuse the block
-            buffer = torch.empty(1 << (sum(sizes) - 1).bit_length(), dtype=torch.uint8, pin_memory=True)
-            self._buffers[slot] = buffer
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(tensors[0].device)
-        self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-        hosts, start = [], 0
-        with torch.cuda.stream(self._stream):
-            for t, size in zip(tensors, sizes):
-                n = t.numel() * t.element_size()
-                host = buffer[start:start + n].view(t.dtype).view(t.shape)
-                host.copy_(t, non_blocking=True)
-                hosts.append(host)
-                start += size
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        sources = [tensors]  # the device tensors stay alive (and unreused by the allocator) until the copy lands
-
-        def landed() -> None:
-            event.synchronize()
-            sources.clear()
-
-        self._landed[slot] = landed
-        return hosts, landed
 
 
 def time_ms(fn, device: torch.device | str, repeat: int = 50) -> float:

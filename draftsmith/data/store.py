@@ -386,9 +386,9 @@ class ShardWriter:
     the folder with the same `plan` resumes: shards on record are kept, anything after them is redone.
 
     Nothing here waits for the target. A batch's states are packed, checked and cast (or quantized) on the device
-    and copied to the host on a side stream into reused pinned buffers (`device.HostStaging`, CUDA and ROCm), while
-    the target computes the next batch; the batch lands in the open shard at the next `add_batch`. A full shard is
-    written in the background: one thread writes it straight from memory (`write_shard`), another checksums the same
+    and copied to the host behind the device's queue (pinned memory on CUDA and ROCm); the batch lands in the open
+    shard at the next `add_batch`, while the target computes the next batch. A full shard is written in the
+    background: one thread writes it straight from memory (`write_shard`), another checksums the same
     memory and records the shard once it is on disk (at most one shard being written and one waiting for its record,
     so memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
     disk and on record.
@@ -429,7 +429,6 @@ class ShardWriter:
         self._pending_ids: list[tuple[int, int]] = []  # (sample id, length)
         self._pending_bytes = 0
         self._in_flight: tuple | None = None  # the batch whose host copies are under way
-        self._staging = dev.HostStaging()
 
     def add_batch(self, items, tokens_after: int | None = None) -> None:
         """Samples of one batch, `items` = [(i, aux (L, n*H), last (L, H), input_ids, loss_mask)], the states on the
@@ -443,17 +442,13 @@ class ShardWriter:
         finite = torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1)  # (T,), checked once it lands
         stored = {f"{kind}{suffix}": tensor for kind, value in (("aux", aux), ("last", last))
                   for suffix, tensor in quantize_rows(value, self.dtype).items()}
-        hosts, wait = self._to_host([finite, *stored.values()])
+        hosts, wait = dev.device_to_host_async([finite, *stored.values()])
         meta = [(i, a.shape[0], ids, mask) for i, a, _, ids, mask in items]
         per_token = bytes_per_token(last.shape[-1], aux.shape[-1] // last.shape[-1], self.dtype)
         in_tail = tokens_after is not None and tokens_after * per_token < self.max_shard_bytes
         limit = max(1, self.max_shard_bytes // self.TAIL_SHARD_FRACTION) if in_tail else self.max_shard_bytes
         self._in_flight = (meta, list(stored), hosts, wait, per_token, limit)
         self.done.update(i for i, *_ in meta)
-
-    def _to_host(self, tensors: list[torch.Tensor]):
-        """Host copies of a batch's device tensors, on the copy stream, and the wait for them (device.HostStaging)."""
-        return self._staging.copy(tensors)
 
     def _land(self) -> None:
         """The batch in flight into the open shard (each sample's tensors are views of the batch's host copy), then
@@ -463,7 +458,8 @@ class ShardWriter:
         meta, names, hosts, wait, per_token, limit = self._in_flight
         self._in_flight = None
         wait()
-        # out of the pinned staging buffer at once: the batch after next is copied into it
+        # out of the pinned staging copies at once, so the pinned pool stays two batches deep: a new pinned block
+        # is a host allocation that waits for the device, the very stall the queued copies avoid
         hosts = [h.clone() if h.is_pinned() else h for h in hosts]
         lengths = [n for _, n, _, _ in meta]
         finite = hosts[0].split(lengths)
