@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import shlex
 import shutil
 import sys
@@ -105,10 +104,7 @@ def shard_writer(kind: str):
             return store._checksum_file(pending.pop(id(tensors)))
     elif kind == "sha256":
         def shard_checksum(tensors, order, prefix):  # one sha256 stream over the whole shard, from memory
-            h = hashlib.sha256()
-            for part in store._shard_bytes(tensors, order, prefix):
-                h.update(part)
-            return h.hexdigest()
+            return store._leaf_digest(list(store._shard_bytes(tensors, order, prefix))).hex()
     elif kind == "no-save":
         def write_shard(tensors, order, prefix, path):
             path.touch()
@@ -170,8 +166,7 @@ def measure_collection(name, target, aux_ids, tokenizer, samples, num_train, fol
            "bytes_per_token": round(index["bytes"] / tokens, 2), "theoretical_bytes_per_token": theory,
            "store_over_theoretical": round(index["bytes"] / (tokens * theory), 4)}
     print(f"{name} {dtype} ({writer} writer): forward {row['forward_only_tokens_per_s']:,} tok/s, "
-          f"collect "
-          f"{row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
+          f"collect {row['collect_tokens_per_s']:,} tok/s ({row['collect_over_forward_only']:.2f}x), "
           f"{row['bytes_per_token']} B/token vs {theory} ({row['store_over_theoretical']:.3f}x), final flush "
           f"{row['final_flush_seconds']:.1f} s (without it {row['collect_tokens_per_s_without_final_flush']:,} tok/s, "
           f"{row['collect_without_final_flush_over_forward_only']:.2f}x)", flush=True)
@@ -262,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape-dtypes", default="bfloat16", help="store dtypes collected with the 8B shape, comma-joined")
     p.add_argument("--shape-writers", default="product",
                    help="writers the 8B shape's first dtype collects with, comma-joined: product, sha256, library, "
-                        "no-save "
-                        "(shard_writer); further dtypes collect with the product's")
+                        "no-save (shard_writer); further dtypes collect with the product's")
     p.add_argument("--shape-repeats", type=int, default=1, help="measure the first dtype's combinations this often")
     p.add_argument("--no-fixture", action="store_true", help="skip the fixture's collections (and the training)")
     p.add_argument("--no-train", action="store_true")

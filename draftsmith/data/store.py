@@ -388,9 +388,9 @@ class ShardWriter:
     Nothing here waits for the target. A batch's states are packed, checked and cast (or quantized) on the device
     and copied to the host behind the device's queue (pinned memory on CUDA and ROCm); the batch lands in the open
     shard at the next `add_batch`, while the target computes the next batch. A full shard is written in the
-    background: one thread writes it straight from memory (`write_shard`), another checksums the same
-    memory and records the shard once it is on disk (at most one shard being written and one waiting for its record,
-    so memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
+    background: one thread writes it straight from memory (`write_shard`), another checksums the same memory and
+    records the shard once it is on disk (at most one shard being written and one waiting for its record, so
+    memory stays bounded). `flush()` lands the last batch, writes what is open and waits until everything is on
     disk and on record.
 
     A collection's end waits for what is still open to be written. So a caller that knows how many tokens follow
@@ -695,7 +695,7 @@ class HiddenStateStore:
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify store",
                   disable=rank != 0 or total < VERIFY_BAR_BYTES) as bar, \
                 ThreadPoolExecutor(thread_name_prefix="draftsmith-verify") as pool:  # shut down before the bar
-            digests = [pool.submit(self._checksum, name, bar.update) for name in mine]
+            digests = [pool.submit(self._checksum_matches, name, bar.update) for name in mine]
             for name, digest in zip(mine, digests):  # in name order: the first damaged shard is named
                 if not digest.result():
                     for pending in digests:
@@ -704,7 +704,7 @@ class HiddenStateStore:
                                      "after collection; collect the store again")
         self._verified = seen
 
-    def _checksum(self, name: str, progress: Callable[[int], Any] | None = None) -> bool:
+    def _checksum_matches(self, name: str, progress: Callable[[int], Any] | None = None) -> bool:
         """Whether shard `name` still matches the checksum the index records (a format 1 store: its plain sha256)."""
         recorded, path = self.index["shards"][name], self.folder / name
         if "sha256_tree" in recorded:
@@ -722,7 +722,7 @@ class HiddenStateStore:
                 raise StoreError(f"{path}: missing from the store")
             st = path.stat()
             seen = self._verified.get(name) == (st.st_size, st.st_mtime_ns)  # by `verify`, untouched since
-            if not seen and not self._checksum(name):
+            if not seen and not self._checksum_matches(name):
                 raise StoreError(f"{path}: fails its checksum: the file is damaged or was changed after collection; "
                                  "collect the store again")
             self._open[name] = safe_open(str(path), framework="pt")
