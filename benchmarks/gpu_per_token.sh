@@ -15,6 +15,8 @@
 #   call 2: CONFIGS=fh_constant,fh_muon_constant,fh_muon_wsd SKIP_SPEC=--skip-speculators MERGE=<call 1's JSON> ...
 #   call 3 (equal time, one run alone): CONFIGS=fh_muon_wsd SEEDS=0 MAX_MINUTES=3.1 MAX_PARALLEL=1 ... BUDGET=380
 #   (the README there lists each call's exact command; further ablations: more CONFIGS, MERGE the last JSON)
+#   WARMUP_STEPS=N first trains the first config N steps, thrown away, so that the measured runs find the kernels
+#   compiled (a fresh machine's first run otherwise pays 30-70 s of its 3.1 minutes: calls 5-11)
 #   (speculators_like and packing train at half the speed of the others: one of them costs about two runs)
 #
 # Timing budget of call 1 (BUDGET=570 inside a 600 s call; the GPU is time-shared, so the number of runs decides):
@@ -88,7 +90,7 @@ timeout $(( BUDGET - SECONDS )) python3 benchmarks/per_token.py --recipe "${RECI
   --work "$WORK" --out "$OUT/per_token.json" --answers "$ANSWERS" --deadline-seconds $(( BUDGET - SECONDS - 15 )) \
   --steps "${STEPS:-834}" --configs "${CONFIGS:-baseline,freeze_head}" --seeds "${SEEDS:-0,1}" \
   ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"} --max-parallel "${MAX_PARALLEL:-0}" --curve-configs "${CURVE_CONFIGS:-baseline,freeze_head}" \
-  --save-every "${SAVE_EVERY:-139}" --peers "${PEERS:-default_lr}" \
+  --save-every "${SAVE_EVERY:-139}" --warmup-steps "${WARMUP_STEPS:-0}" --peers "${PEERS:-default_lr}" \
   --spec-save-steps "${SPEC_SAVE_STEPS:-139,278,417,556,695}" --score-seconds "${SCORE_SECONDS:-60}" \
   ${SPEC_FLAGS:+--spec-flags "$SPEC_FLAGS"} ${SKIP_SPEC:-} "${MERGE_FLAGS[@]}" \
   data.path=.devdata/sharegpt_train.jsonl data.max_samples="$RECORDS" model.draft_vocab_size=8192 ${EXTRA:-} \

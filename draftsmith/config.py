@@ -161,6 +161,12 @@ class TrainingConfig(BaseModel):
     # EAGLE-3: pack the samples of a micro-batch into one row of at most tokens_per_step tokens, with positions
     # restarting and attention kept inside each sample (no padding computed at all)
     packing: bool = False
+    # Which positions train: answers = the assistant tokens (the data's loss masks); all = every token after a
+    # sample's first, the user's turns too, where the label is the target's own distribution (EAGLE-1/3, MTP:
+    # distillation at positions the target reads but does not write; more of it from the same records). The draft
+    # vocabulary and the held-out evaluation stay on the answers. DFlash and DSpark refuse it (their CE reads the
+    # data's tokens, which on a user turn are not the target's).
+    loss_on: Literal["answers", "all"] = "answers"
     time_probe_steps: int = Field(10, ge=3)  # with max_minutes: steps timed (at lr 0) to plan the schedule
     # EAGLE-3's TTT attention kernel (kernels/ttt_attention.py): auto = FlexAttention compiled to Triton on CUDA and
     # ROCm (DRAFTSMITH_FLEX_ATTENTION=0 turns it off), the plain-torch reference on NPU and CPU; flex or reference

@@ -506,6 +506,14 @@ def test_recipe_refuses_eagle3_aux_ids(tmp_path):
                           "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_recipes_refuse_training_on_user_turns(tmp_path, method):
+    """DFlash's and DSpark's CE reads the data's tokens: training.loss_on all is refused when the recipe is read."""
+    with pytest.raises(RecipeError, match="training.loss_on 'all'"):
+        recipe_from_dict({"model": {"target": "unused", "method": method}, "data": {"path": "x.jsonl"},
+                          "training": {"loss_on": "all"}, "output_dir": str(tmp_path)})
+
+
 def test_recipe_checkpoint_layers_reaches_the_drafter(tmp_path, fixture_target_dir, fixture_target):
     from draftsmith.models.dflash.training import DflashMethod
 

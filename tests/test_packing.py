@@ -133,3 +133,20 @@ def test_packing_that_cannot_run_is_refused(training, method, message):
     with pytest.raises(RecipeError, match=message):
         recipe_from_dict({"model": {"target": "t", "method": method}, "data": {"path": "d.jsonl"},
                           "training": training, "output_dir": "o"})
+
+
+def test_training_on_every_token_counts_the_prompt_positions_and_keeps_packing_exact():
+    """training.loss_on all (collate's every_token): each TTT step trains on every position whose target token lies
+    in the same sample, the prompt's too (count_i = sum over samples of n - 2 - i, nothing across sample borders),
+    and a packed row still gives the padded batch's loss."""
+    target = tiny_target("sdpa")
+    method, drafter = eagle3(target)
+    answers = loss_and_grads(method, drafter, collate(samples(), 0, "cpu"))
+    every = loss_and_grads(method, drafter, collate(samples(), 0, "cpu", every_token=True))
+    packed = loss_and_grads(method, drafter, collate_packed(samples(), "cpu", every_token=True))
+    for i in range(3):
+        assert int(every[1][f"count_{i}"]) == sum(n - 2 - i for n in LENGTHS)
+        assert int(packed[1][f"count_{i}"]) == int(every[1][f"count_{i}"])
+    assert int(every[1]["count_0"]) > int(answers[1]["count_0"])  # its targets reach into the prompts
+    assert not torch.allclose(every[0], answers[0])
+    torch.testing.assert_close(packed[0], every[0], rtol=1e-5, atol=1e-6)

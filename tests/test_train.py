@@ -497,6 +497,11 @@ def test_collate_right_pads_each_sample_in_place():
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert packed["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 0, 1, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    # training.loss_on all: every real token is under the loss, padding still is not
+    every = trainer_mod.collate(samples, pad_id=3, device="cpu", every_token=True)
+    assert every["loss_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert every["input_ids"].tolist() == batch["input_ids"].tolist()
+    assert trainer_mod.collate_packed(samples, "cpu", every_token=True)["loss_mask"].tolist() == [[1] * 8]
 
 
 def test_feature_noise_is_relative_to_each_aux_layer_and_stays_out_of_the_export(tmp_path, fixture_target_dir):

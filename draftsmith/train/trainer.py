@@ -155,25 +155,31 @@ def _pack_first_fit(indices: list[int], lengths: list[int], budget: int) -> list
     return rows
 
 
-def collate_packed(samples, device) -> dict[str, torch.Tensor]:
+def collate_packed(samples, device, every_token: bool = False) -> dict[str, torch.Tensor]:
     """One packed (1, T) row of the samples, T = their total length: input_ids, loss_mask, position_ids (restarting
     at 0 in every sample: the target's attention, from transformers' packed-sequence masks, and the drafter's
-    both stay inside a sample) and doc_ids (which sample each position belongs to); no attention_mask."""
+    both stay inside a sample) and doc_ids (which sample each position belongs to); no attention_mask.
+    every_token (training.loss_on all): the loss mask is 1 on every token, not only the answers'."""
     ids, mask = _concatenated(samples, "input_ids"), _concatenated(samples, "loss_mask")
+    if every_token:
+        mask = torch.ones_like(mask)
     positions = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
     docs = torch.cat([torch.full((len(s.input_ids),), i) for i, s in enumerate(samples)])
     return {"input_ids": ids[None].to(device), "attention_mask": None, "loss_mask": mask[None].to(device),
             "position_ids": positions[None].to(device), "doc_ids": docs[None].to(device)}
 
 
-def collate(samples, pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-padded (B, S) tensors: input_ids, attention_mask, loss_mask."""
+def collate(samples, pad_id: int, device, every_token: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded (B, S) tensors: input_ids, attention_mask, loss_mask (every_token: 1 on every real token)."""
     lengths = torch.tensor([len(s.input_ids) for s in samples])
     real = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # (B, S): the samples' own positions
     ids = torch.full(real.shape, pad_id, dtype=torch.long)
-    mask = torch.zeros(real.shape, dtype=torch.long)
     ids[real] = _concatenated(samples, "input_ids")  # row-major, as the samples follow one another
-    mask[real] = _concatenated(samples, "loss_mask")
+    if every_token:
+        mask = real.long()
+    else:
+        mask = torch.zeros(real.shape, dtype=torch.long)
+        mask[real] = _concatenated(samples, "loss_mask")
     return {"input_ids": ids.to(device), "attention_mask": real.long().to(device), "loss_mask": mask.to(device)}
 
 
@@ -632,7 +638,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # share of positions whose next token is trained (loss masks hold 0 and 1): DFlash anchors only there, MTP
     # reads its head only there, so their FLOPs per token follow the data
-    loss_share = sum(sum(sample.loss_mask[1:]) for sample in data.train) / max(1, sum(n - 1 for n in lengths))
+    loss_share = 1.0 if cfg.loss_on == "all" else (
+        sum(sum(sample.loss_mask[1:]) for sample in data.train) / max(1, sum(n - 1 for n in lengths)))
     flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
                                           target_runs=store_dir is None, loss_share=loss_share)
     watch = FiniteWatch(describe=lambda i: _describe(tokenizer, data.train, i))
@@ -662,8 +669,9 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         batches = batches[: len(batches) // cfg.grad_accum_steps * cfg.grad_accum_steps]
         for micro in range(state["micro_batches_done"], len(batches)):
             samples = [data.train[i] for i in batches[micro]]
-            batch = collate_packed(samples, accelerator.device) if cfg.packing else collate(samples, pad_id,
-                                                                                          accelerator.device)
+            every_token = cfg.loss_on == "all"
+            batch = (collate_packed(samples, accelerator.device, every_token) if cfg.packing
+                     else collate(samples, pad_id, accelerator.device, every_token))
             if stored is not None:
                 stored.select(batches[micro], [s.input_ids for s in samples])
             with accelerator.accumulate(drafter):

@@ -88,6 +88,9 @@ def check_block_recipe(recipe: Any, target: Mapping[str, Any] | None, name: str)
             f"model.aux_layer_ids is EAGLE-3's setting; for model.method {name} set {name}.target_layer_ids "
             "(output-of-layer ids, i.e. capture id - 1) and leave model.aux_layer_ids null"
         )
+    if recipe.training.loss_on != "answers":
+        raise ValueError(f"training.loss_on {recipe.training.loss_on!r}: {name} trains its blocks on the data's "
+                         "tokens, which on a user turn are not the target's; leave it at answers")
     if not target:
         return
     layers, vocab = target.get("num_hidden_layers"), target.get("vocab_size")
