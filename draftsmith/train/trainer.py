@@ -160,9 +160,8 @@ def collate_packed(samples, device, every_token: bool = False) -> dict[str, torc
     at 0 in every sample: the target's attention, from transformers' packed-sequence masks, and the drafter's
     both stay inside a sample) and doc_ids (which sample each position belongs to); no attention_mask.
     every_token (training.loss_on all): the loss mask is 1 on every token, not only the answers'."""
-    ids, mask = _concatenated(samples, "input_ids"), _concatenated(samples, "loss_mask")
-    if every_token:
-        mask = torch.ones_like(mask)
+    ids = _concatenated(samples, "input_ids")
+    mask = torch.ones_like(ids) if every_token else _concatenated(samples, "loss_mask")
     positions = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
     docs = torch.cat([torch.full((len(s.input_ids),), i) for i, s in enumerate(samples)])
     return {"input_ids": ids[None].to(device), "attention_mask": None, "loss_mask": mask[None].to(device),
@@ -638,7 +637,8 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # share of positions whose next token is trained (loss masks hold 0 and 1): DFlash anchors only there, MTP
     # reads its head only there, so their FLOPs per token follow the data
-    loss_share = 1.0 if cfg.loss_on == "all" else (
+    every_token = cfg.loss_on == "all"
+    loss_share = 1.0 if every_token else (
         sum(sum(sample.loss_mask[1:]) for sample in data.train) / max(1, sum(n - 1 for n in lengths)))
     flops_at, peak_tflops = _flop_counter(method, lengths, cfg, accelerator.device, log,
                                           target_runs=store_dir is None, loss_share=loss_share)
@@ -669,7 +669,6 @@ def _train(recipe: Recipe, output_dir: Path, log, closing: contextlib.ExitStack)
         batches = batches[: len(batches) // cfg.grad_accum_steps * cfg.grad_accum_steps]
         for micro in range(state["micro_batches_done"], len(batches)):
             samples = [data.train[i] for i in batches[micro]]
-            every_token = cfg.loss_on == "all"
             batch = (collate_packed(samples, accelerator.device, every_token) if cfg.packing
                      else collate(samples, pad_id, accelerator.device, every_token))
             if stored is not None:
