@@ -20,6 +20,7 @@ import copy
 import difflib
 import os
 import re
+import reprlib
 import tempfile
 import types
 import typing
@@ -234,6 +235,10 @@ class TrainingConfig(BaseModel):
         if self.loss_kernel == "fused" and self.loss_grad != "in_forward":
             raise ValueError("training.loss_kernel=fused takes each chunk's gradient in the forward pass: set "
                              "training.loss_grad=in_forward, or training.loss_kernel=reference to recompute")
+        # the trackers write to output_dir/run_name: a path here would write outside output_dir
+        if self.run_name is not None and (set(self.run_name) & set("/\\\0") or self.run_name in (".", "..")):
+            raise ValueError(f"training.run_name is {_show(self.run_name)}: a name, not a path (trackers write to "
+                             "output_dir/run_name): use one without '/', '\\' or a bare '.' or '..'")
         return self
 
 
@@ -294,8 +299,47 @@ def check_recipe_against_target(recipe: Recipe, target_config: Mapping[str, Any]
 # --------------------------------------------------------------------------- YAML
 
 
+# Values YAML aliases may add to a document when written out: a recipe's few aliases add a handful, while a
+# "billion laughs" (each alias listing the one before nine times) turns 1.2 KB into 10**8 values and a 140 MB error.
+MAX_ALIAS_VALUES = 10_000
+
+
+def _written_out_size(node: yaml.Node, sizes: dict[int, float], open_: set[int]) -> float:
+    """How many nodes `node` stands for with every alias written out (an aliased node is one object, counted once
+    per use); `sizes` memoizes by node, `open_` holds the nodes being counted: one met again is an alias inside the
+    node it names, an endless value (inf)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        return float("inf")
+    open_.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    else:
+        children = []
+    size = 1 + sum(_written_out_size(child, sizes, open_) for child in children)
+    open_.discard(key)
+    sizes[key] = size
+    return size
+
+
 class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 core scalars and duplicate keys rejected."""
+    """SafeLoader with YAML 1.2 core scalars, duplicate keys rejected and alias expansion bounded."""
+
+    def compose_document(self):  # type: ignore[override]
+        node = super().compose_document()
+        sizes: dict[int, float] = {}
+        written_out = _written_out_size(node, sizes, set())
+        if written_out - len(sizes) > MAX_ALIAS_VALUES:  # no mark: the message names the file, not its line 1
+            what = ("an endless value (an alias inside the node it names)" if written_out == float("inf")
+                    else f"{int(written_out):,} values from {len(sizes):,} written")
+            raise yaml.composer.ComposerError(
+                None, None, f"its aliases expand to {what}, more than {MAX_ALIAS_VALUES:,} added: refused (a YAML "
+                "alias bomb?); write the values out or use fewer, flatter aliases")
+        return node
 
     def construct_mapping(self, node, deep=False):  # type: ignore[override]
         seen: set[Any] = set()
@@ -304,7 +348,8 @@ class _Yaml12Loader(yaml.SafeLoader):
                 continue
             key = self.construct_object(key_node, deep=True)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_clip(key)}",
+                                                        key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -395,7 +440,7 @@ def _unknown_key_message(dotted: str) -> str:
     if not match:  # right name, wrong section (e.g. top-level 'lr')
         match = [k for k in keys if k.rpartition(".")[2] == leaf]
     hint = f" (did you mean '{match[0]}'?)" if match else ""
-    return f"unknown key '{dotted}'{hint}"
+    return f"unknown key {_clip(dotted)}{hint}"
 
 
 # --------------------------------------------------------------------------- overrides
@@ -405,11 +450,11 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise RecipeError(f"override {item!r} is not of the form dotted.key=value (e.g. training.lr=1e-4)")
+        raise RecipeError(f"override {_clip(item)} is not of the form dotted.key=value (e.g. training.lr=1e-4)")
     keys = _all_keys()
     if key not in keys:
-        raise RecipeError(f"override {item!r}: {_unknown_key_message(key)}")
-    value = _yaml_load(raw, f"override {item!r}", with_line=False)
+        raise RecipeError(f"override {_clip(item)}: {_unknown_key_message(key)}")
+    value = _yaml_load(raw, f"override {_clip(item)}", with_line=False)
     if _is_str_field(keys[key]) and value is not None and not isinstance(value, str):
         value = raw.strip()  # e.g. run_name=2024 stays the string "2024"
     return key, value
@@ -427,13 +472,31 @@ def apply_overrides(d: Mapping[str, Any], overrides: Sequence[str]) -> dict[str,
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise RecipeError(f"override {item!r}: '{'.'.join(parents[: i + 1])}' is not a mapping in the recipe")
+                raise RecipeError(f"override {_clip(item)}: {_clip('.'.join(parents[: i + 1]))} is not a mapping "
+                                  "in the recipe")
             node = child
         node[leaf] = value
     return out
 
 
 # --------------------------------------------------------------------------- error formatting
+
+QUOTE_CHARS = 200  # at most this much of a value is quoted back in an error message
+MAX_PROBLEMS = 5  # problems one error line lists (a list of 5,000 bad items is 5,000 problems)
+_QUOTE = reprlib.Repr()  # cuts strings and containers before walking them: quoting a value costs what it prints
+_QUOTE.maxstring = _QUOTE.maxother = QUOTE_CHARS
+_QUOTE.maxlist = _QUOTE.maxtuple = _QUOTE.maxset = _QUOTE.maxdict = 10
+_QUOTE.maxlevel, _QUOTE.maxlong = 3, 60
+
+
+def _cut(text: str, limit: int = QUOTE_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _clip(value: Any) -> str:
+    """`value` quoted in an error (its repr), at most a few hundred characters: what a recipe or an override holds
+    can be megabytes (a long override, aliased lists), and an error line should stay a line."""
+    return _cut(_QUOTE.repr(value))
 
 
 def _show(value: Any) -> str:
@@ -442,11 +505,9 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
     if isinstance(value, Mapping):
         return "a mapping"
-    return repr(value)
+    return _clip(value)
 
 
 def _dotted(loc: Sequence[Any]) -> str:
@@ -482,8 +543,8 @@ def _error_message(err: Mapping[str, Any]) -> str:
         return f"missing required key '{loc}'"
     if kind == "extra_forbidden":
         return _unknown_key_message(loc)
-    if kind == "value_error":  # our validators write complete sentences that name their keys
-        return str(ctx.get("error", err["msg"]))
+    if kind == "value_error":  # our validators write complete sentences that name their keys (and quote values)
+        return _cut(str(ctx.get("error", err["msg"])), 4 * QUOTE_CHARS)
     got = _show(err.get("input"))
     if kind in _EXPECTED:
         return f"{loc}: expected {_EXPECTED[kind]}, got {got}"
@@ -502,13 +563,16 @@ def _error_message(err: Mapping[str, Any]) -> str:
 
 
 def _validation_message(exc: ValidationError, overridden: Mapping[str, str]) -> str:
+    errors = exc.errors()
     parts = []
-    for err in exc.errors():
+    for err in errors[:MAX_PROBLEMS]:
         msg = _error_message(err)
         key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
         if key in overridden:
-            msg += f" (from override {overridden[key]!r})"
+            msg += f" (from override {_clip(overridden[key])})"
         parts.append(msg)
+    if len(errors) > MAX_PROBLEMS:
+        parts.append(f"and {len(errors) - MAX_PROBLEMS:,} more problems")
     return "; ".join(parts)
 
 

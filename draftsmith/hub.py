@@ -5,6 +5,7 @@ card is re-rendered so the serve commands name the Hub repo instead of the local
 in one commit (`HfApi.create_commit`, the call `upload_folder` makes, given the files one by one so that the
 re-rendered card is uploaded without rewriting the folder). The token comes from `HF_TOKEN` or the login cache
 (`huggingface_hub.get_token`) and is never printed; `--dry-run` lists what would be uploaded and touches no network.
+Only the regular files inside the folder go up: a symbolic link is refused, never followed.
 """
 
 from __future__ import annotations
@@ -93,15 +94,24 @@ def check_repo_id(repo_id: str) -> None:
 
 
 def _uploadable(folder: Path) -> list[Path]:
-    """Regular files under `folder`, minus hidden ones and leftovers of interrupted atomic writes."""
-    files = []
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if any(part.startswith(".") or ".tmp-" in part or ".old-" in part for part in rel.parts):
-            continue
-        if path.is_file():
-            files.append(path)
-    return files
+    """Regular files under `folder`, minus hidden ones (the export marker among them) and leftovers of interrupted
+    atomic writes. A symbolic link, to a file or a folder, inside or outside, is refused rather than followed: it
+    could name any file on this machine (a token, a key), and what the Hub gets must be what the folder holds."""
+    files, pending = [], [folder]
+    while pending:
+        for path in sorted(pending.pop().iterdir()):
+            if path.name.startswith(".") or ".tmp-" in path.name or ".old-" in path.name:
+                continue  # never uploaded, so never looked into
+            if path.is_symlink():
+                shown = path.relative_to(folder).as_posix()
+                raise PushError(f"{folder}: {shown if shown.isprintable() else repr(shown)} is a symbolic link; "
+                                "push uploads only the regular files inside the folder: replace it with a copy of "
+                                "what it points to, or remove it")
+            if path.is_dir():
+                pending.append(path)
+            elif path.is_file():
+                files.append(path)
+    return sorted(files)
 
 
 def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
@@ -114,6 +124,7 @@ def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
         subs = sorted(p.name for p in folder.iterdir() if (p / CONFIG_FILE).is_file())
         hint = f"; it holds the exports {', '.join(str(folder / s) for s in subs)}: push one of them" if subs else ""
         raise PushError(f"{folder}: no {CONFIG_FILE}, not an export folder{hint}")
+    uploadable = _uploadable(folder)  # refuses links before any file is read (config.json itself may be one)
     try:
         config = read_json(folder / CONFIG_FILE)
     except CheckpointError as e:
@@ -128,7 +139,7 @@ def plan_push(folder: str | Path, repo_id: str) -> PushPlan:
     found = registry.detect_layout(config)
     fmt = found[1] if found is not None and found[1].check is not None else None
     files: list[tuple[str, Path | bytes, int]] = [
-        (p.relative_to(folder).as_posix(), p, p.stat().st_size) for p in _uploadable(folder)
+        (p.relative_to(folder).as_posix(), p, p.stat().st_size) for p in uploadable
     ]
     if fmt is not None:
         try:

@@ -65,7 +65,7 @@ def run_quickstart(args: argparse.Namespace) -> int:
     from draftsmith.inference.generator import SpeculativeGenerator
     from draftsmith.inference.report import add_recommendations, dataset_result, format_report, write_plots
     from draftsmith.inference.spec_config import build_proposer
-    from draftsmith.models.checkpoint import write_text_atomic
+    from draftsmith.models.checkpoint import check_output_dir, write_text_atomic
     from draftsmith.models.eagle3.export import export_native_eagle3
     from draftsmith.models.target import TargetModel
     from draftsmith.train import train
@@ -90,6 +90,7 @@ def run_quickstart(args: argparse.Namespace) -> int:
     exported = out / "eagle3-sglang"
     specs = expand_spec_configs([{"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1},
                                  {"method": "eagle3", "model": str(exported)}], ks, device.type)
+    check_output_dir(exported, True, exports_only=True)  # replaces only an earlier export: refused before training
 
     recipe = recipe_from_dict({
         "model": {"target": target_path, "method": "eagle3"},  # draft vocabulary: min(32000, the target's)

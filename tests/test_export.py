@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.checkpoint import (
+    EXPORT_MARKER,
     CheckpointError,
     absolute_target,
     ExportError,
@@ -134,7 +135,7 @@ def test_export_writes_the_native_format(tmp_path):
     out = tmp_path / "export"
     result = export_native_eagle3(make_checkpoint(tmp_path / "run", cfg, tensors), out)
 
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "README.md", "config.json", "model.safetensors"]
     assert [p.name for p in result.files] == ["config.json", "model.safetensors", "README.md"]
     assert leftovers(tmp_path) == []
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -263,9 +264,14 @@ def test_occupied_out_dir_needs_overwrite(tmp_path):
     with pytest.raises(ExportError, match="not empty; pass --overwrite"):
         export_native_eagle3(ckpt, out)
     assert (out / "old.txt").read_text() == "keep me"
+    with pytest.raises(ExportError, match=r"not a draftsmith export \(old.txt\)"):  # only an export is replaced
+        export_native_eagle3(ckpt, out, overwrite=True)
+    assert (out / "old.txt").read_text() == "keep me"
 
+    (out / "old.txt").unlink()
+    export_native_eagle3(ckpt, out)
     export_native_eagle3(ckpt, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "README.md", "config.json", "model.safetensors"]
     assert leftovers(tmp_path) == []
     with pytest.raises(ExportError, match="checkpoint being exported"):
         export_native_eagle3(ckpt, tmp_path / "run", overwrite=True)
@@ -506,7 +512,7 @@ def test_a_killed_export_leaves_nothing_the_next_run_trips_on(tmp_path):
     _export_killed_mid_write(str(ckpt), "--format", "sglang", "--out", str(out))
     assert not out.exists()
     export_native_eagle3(ckpt, out)  # the next run removes the killed one's temporary folder
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "README.md", "config.json", "model.safetensors"]
     assert leftovers(tmp_path) == []
 
 
@@ -529,7 +535,8 @@ def test_a_killed_format_all_leaves_no_partial_folder(tmp_path):
     _export_killed_mid_write(str(ckpt), "--format", "all", "--out", str(out))
     assert not out.exists(), sorted(p.name for p in out.rglob("*"))
     results, _ = export_all(ckpt, out)  # no --overwrite needed
-    assert sorted(results) == sorted(p.name for p in out.iterdir()) == ["sglang", "speculators"]
+    assert sorted(results) == ["sglang", "speculators"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "sglang", "speculators"]
     assert str(out / "sglang") in (out / "sglang" / "README.md").read_text()  # the card names the final folder
     assert leftovers(tmp_path) == []
 

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 from test_export import leftovers, make_checkpoint, random_eagle3_tensors  # shared helpers, same folder
 
-from draftsmith.models.checkpoint import ExportError
+from draftsmith.models.checkpoint import EXPORT_MARKER, ExportError
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.eagle3.speculators import (
@@ -81,7 +81,7 @@ def test_export_writes_the_speculators_layout(tmp_path, target_dir):
     out = tmp_path / "out"
     result = export_speculators(make_checkpoint(tmp_path / "run", cfg, tensors), out, dtype=None)
 
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "README.md", "config.json", "model.safetensors"]
     assert leftovers(tmp_path) == []
     assert len(result.warnings) == 1 and "local path" in result.warnings[0] and "--verifier" in result.warnings[0]
     config = json.loads((out / "config.json").read_text())
@@ -278,7 +278,7 @@ def test_format_all_writes_every_eagle3_format_and_skips_others(tmp_path, target
     make_checkpoint(tmp_path / "run", eagle3_config(target_dir))
     out = tmp_path / "all"
     assert run_export(_args(str(tmp_path / "run"), "--format", "all", "--out", str(out))) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["sglang", "speculators"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "sglang", "speculators"]
     assert json.loads((out / "sglang" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert json.loads((out / "speculators" / "config.json").read_text())["speculators_model_type"] == "eagle3"
     captured = capsys.readouterr()
@@ -297,7 +297,7 @@ def test_sglang_refuses_forward_variants_and_format_all_skips_it(tmp_path, targe
     assert "eagle3.norm_before_fc=true, eagle3.norm_output=true" in err and "--format speculators" in err
     assert not (tmp_path / "native").exists()
     assert run_export(_args(str(ckpt), "--format", "all", "--out", str(tmp_path / "all"))) == 0
-    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["speculators"]
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [EXPORT_MARKER, "speculators"]
     captured = capsys.readouterr()
     assert "sglang: skipped:" in captured.err and "SGLang" not in captured.out.split("serve with")[-1]
     config = json.loads((tmp_path / "all" / "speculators" / "config.json").read_text())

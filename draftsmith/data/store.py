@@ -380,6 +380,17 @@ def _progress_path(folder: Path, rank: int) -> Path:
     return folder / f"progress-r{rank}.json"
 
 
+def _recorded_shards(folder: Path, progress_file: Path, shards: list) -> list:
+    """The shards a progress file records, each name checked to be a file of the store's folder (a resumed writer
+    keeps them and the index names them)."""
+    from draftsmith.models.checkpoint import inside
+
+    for k, shard in enumerate(shards):
+        inside(folder, shard.get("name") if isinstance(shard, dict) else None, f"{progress_file}: shards[{k}].name",
+               StoreError)
+    return shards
+
+
 class ShardWriter:
     """One rank's shards and progress record: samples are added a batch at a time, a shard is written (atomically)
     once a batch leaves it past `max_shard_bytes`, and only then recorded in progress-r{rank}.json. Reopening
@@ -419,7 +430,8 @@ class ShardWriter:
             if previous.get("plan_sha256") != digest:
                 raise StoreError(f"{self.progress_file}: {what} with another target, data, layers or collect "
                                  "settings was started in this folder: give it a new folder")
-            self.progress["shards"] = [s for s in previous["shards"] if (folder / s["name"]).is_file()
+            recorded = _recorded_shards(folder, self.progress_file, previous["shards"])
+            self.progress["shards"] = [s for s in recorded if (folder / s["name"]).is_file()
                                        and (folder / s["name"]).stat().st_size == s["bytes"]]
         self.done = {i for shard in self.progress["shards"] for i, _, _ in shard["samples"]}
         self._next_shard = len(self.progress["shards"])
@@ -567,7 +579,7 @@ def write_index(folder: Path, header: dict, num_samples: int, world: int) -> dic
         path = _progress_path(folder, rank)
         if not path.is_file():
             raise StoreError(f"{path}: missing: rank {rank} has not finished its part of the collection")
-        for shard in json.loads(path.read_text())["shards"]:
+        for shard in _recorded_shards(folder, path, json.loads(path.read_text())["shards"]):
             shards[shard["name"]] = {"sha256_tree": shard["sha256_tree"], "bytes": shard["bytes"],
                                      "samples": len(shard["samples"])}
             for i, offset, length in shard["samples"]:
@@ -625,6 +637,36 @@ def _weights_change(recorded: dict | None, current: dict | None) -> str:
     return "no weight file differs"
 
 
+DIGEST_KEYS = {"draftsmith-hidden-states/1": "sha256", STORE_FORMAT: "sha256_tree"}  # what each format checksums
+
+
+def _check_checksums(index: dict, path: Path) -> str:
+    """The key of the shards' checksums in a store `index` (read from `path`), fixed by its format: every shard
+    must record that checksum, each shard's name must be a file of the store's folder, and a format 2 index may
+    only record the piece size the writer uses. The index cannot choose how it is checked: pieces of 0 bytes
+    would make every file's checksum the same, so a damaged shard would pass. One line naming the key."""
+    from draftsmith.models.checkpoint import inside
+
+    key = DIGEST_KEYS[index["format"]]
+    leaf = index.get("checksum_leaf_bytes", CHECKSUM_LEAF_BYTES)
+    if key == "sha256_tree" and (type(leaf) is not int or leaf != CHECKSUM_LEAF_BYTES):
+        shown = repr(leaf)[:80]
+        raise StoreError(f"{path}: checksum_leaf_bytes is {shown}, but a {index['format']} store is checksummed in "
+                         f"pieces of {CHECKSUM_LEAF_BYTES} bytes: the index was changed after collection; collect "
+                         "the store again")
+    shards = index.get("shards")
+    if not isinstance(shards, dict):
+        raise StoreError(f"{path}: shards is not a mapping of shard names to their records: collect the store again")
+    for name, recorded in shards.items():
+        inside(path.parent, name, f"{path}: shard name", StoreError)
+        digest = recorded.get(key) if isinstance(recorded, dict) else None
+        if not (isinstance(digest, str) and len(digest) == 64) or not isinstance(recorded.get("bytes"), int):
+            raise StoreError(f"{path}: shard {name!r} records no {key} checksum (64 hex digits) and byte size, as "
+                             f"{index['format']} stores do: the index was changed or damaged; collect the store "
+                             "again")
+    return key
+
+
 class HiddenStateStore:
     """A complete store, opened for training: checked against what the recipe expects (`check_matches`), every
     shard checksummed before the first step (`verify`, unless data.verify_store is false), read a batch at a time
@@ -645,9 +687,11 @@ class HiddenStateStore:
             self.index = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise StoreError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-        if self.index.get("format") not in READABLE_FORMATS:
-            raise StoreError(f"{path}: format {self.index.get('format')!r} is not one this draftsmith reads "
+        if not isinstance(self.index, dict) or self.index.get("format") not in READABLE_FORMATS:
+            shown = self.index.get("format") if isinstance(self.index, dict) else type(self.index).__name__
+            raise StoreError(f"{path}: format {shown!r} is not one this draftsmith reads "
                              f"({', '.join(READABLE_FORMATS)})")
+        self._digest_key = _check_checksums(self.index, path)
         self._open: dict[str, Any] = {}
         self._verified: dict[str, tuple[int, int]] = {}  # shard: (size, mtime in ns) when `verify` saw it
 
@@ -707,9 +751,8 @@ class HiddenStateStore:
     def _checksum_matches(self, name: str, progress: Callable[[int], Any] | None = None) -> bool:
         """Whether shard `name` still matches the checksum the index records (a format 1 store: its plain sha256)."""
         recorded, path = self.index["shards"][name], self.folder / name
-        if "sha256_tree" in recorded:
-            return _checksum_file(path, self.index.get("checksum_leaf_bytes", CHECKSUM_LEAF_BYTES),
-                                  progress) == recorded["sha256_tree"]
+        if self._digest_key == "sha256_tree":  # pieces of the size the writer uses, never one the index gives
+            return _checksum_file(path, CHECKSUM_LEAF_BYTES, progress) == recorded["sha256_tree"]
         return _sha256_file(path, progress) == recorded["sha256"]
 
     def _shard(self, name: str):

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
@@ -44,6 +44,10 @@ EVAL_FILE = "eval.json"
 LATEST_FILE = "latest"
 IMPORT_FILE = "import.json"  # what `draftsmith import` records next to an imported checkpoint
 INDEX_FILE = "model.safetensors.index.json"
+# Written into every folder `draftsmith export` writes (each format's, and the `--format all` folder around them):
+# `--overwrite` replaces only a folder that holds it, never a folder of someone else's files. Hidden, so push leaves
+# it out and engines never see it.
+EXPORT_MARKER = ".draftsmith-export.json"
 CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
 # transformers refuses safetensors files whose "format" is not one of pt/tf/flax/mlx; some versions crash without it.
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -148,6 +152,27 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return max(steps, key=lambda s: s[0])[1]
 
 
+SHOWN_CHARS = 200  # how much of a file's value an error quotes: a hostile file must not make a long error line
+
+
+def inside(folder: Path, name: Any, where: str, error: type[Exception] = CheckpointImportError) -> Path:
+    """`folder / name` for a file name that a file (a safetensors index's weight_map, a store's index) gives,
+    refused in one line unless it stays inside `folder`: `where` names the file and the entry ("<index>:
+    weight_map['x']"), `error` is the caller's error type. Every name a file hands draftsmith to read or write goes
+    through here.
+
+    The name is checked as written (relative, no `..` part, either slash), not by resolving links: a Hugging Face
+    cache snapshot's files are links into the cache's blobs/ folder, so resolving would refuse every downloaded
+    model, while a link inside the folder is the folder's own content."""
+    shown = repr(name) if len(repr(name)) <= SHOWN_CHARS else repr(name)[:SHOWN_CHARS] + "..."
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise error(f"{where} is {shown}: not a file name")
+    if PureWindowsPath(name).anchor or ".." in name.replace("\\", "/").split("/"):  # "/x", "C:x", "\\\\host\\x"
+        raise error(f"{where} is {shown}, a path outside {folder} (absolute or through '..'): only files inside "
+                    "the folder are read")
+    return Path(folder) / name
+
+
 def read_json(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
@@ -208,13 +233,15 @@ def load_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     try:
         if (folder / INDEX_FILE).is_file():
             index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
+            shards = {inside(folder, file, f"{folder / INDEX_FILE}: weight_map[{key!r}]")
+                      for key, file in index["weight_map"].items()}
             tensors: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(index["weight_map"].values())):
-                tensors.update(load_file(str(folder / shard), device="cpu"))
+            for shard in sorted(shards):
+                tensors.update(load_file(str(shard), device="cpu"))
             return tensors
         if (folder / WEIGHTS_FILE).is_file():
             return load_file(str(folder / WEIGHTS_FILE), device="cpu")
-    except (SafetensorError, OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointImportError(f"{folder}: cannot load its safetensors weights: {e}") from None
     raise CheckpointImportError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
 
@@ -297,6 +324,56 @@ def module_shapes(module: torch.nn.Module, why: str) -> dict[str, tuple[tuple[in
     return {name: (tuple(t.shape), why) for name, t in module.state_dict().items() if not name.startswith("rotary_emb.")}
 
 
+def meta_shapes(build: Callable[[], torch.nn.Module],
+                why: str = "from the config") -> dict[str, tuple[tuple[int, ...], str]]:
+    """`module_shapes` of the drafter `build()` makes, built on the meta device: shapes only, no memory, whatever
+    sizes its config asks for."""
+    with torch.device("meta"):
+        return module_shapes(build(), why)
+
+
+def weights_file(folder: Path) -> Path:
+    """The file a folder's weights are read from, as messages name it: its safetensors index, else the single file."""
+    return folder / INDEX_FILE if (folder / INDEX_FILE).is_file() else folder / WEIGHTS_FILE
+
+
+def _int_keys(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, int]]:
+    """(dotted key, value) of every integer in a config.json, nested objects included."""
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            yield from _int_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+
+
+def size_mismatch(expected: Mapping[str, tuple[tuple[int, ...], str]], tensors: Mapping[str, torch.Tensor],
+                  config: Mapping[str, Any], config_file: Path | str, weights: Path | str) -> str | None:
+    """Whether a drafter config's sizes are those of the weights that came with it, asked before the drafter is
+    built: a config.json claiming hidden_size 65536 would otherwise allocate hundreds of GB before anything failed.
+
+    `expected` is the contract of the drafter the config builds (`meta_shapes`), `tensors` the weights as read (their
+    shapes are the safetensors header's), `config` the config.json as written, to name the key behind a size. None
+    when every tensor the config asks for is there with its shape; else one line naming the config file, the first
+    tensor that differs, the config key and both shapes (or the tensors the weights lack)."""
+    named = []  # (name, shape in the weights, shape from the config, the config keys behind the difference)
+    for name in sorted(set(expected) & set(tensors)):
+        want, have = tuple(expected[name][0]), tuple(tensors[name].shape)
+        if want != have:
+            differ = [w for w, h in zip(want, have) if w != h] if len(want) == len(have) else list(want)
+            keys = [f"{key} = {value}" for key, value in _int_keys(config) if value in differ]
+            named.append((name, have, want, keys))
+    if named:  # a tensor whose size a config key gives outright (hidden_size), else the first (hidden_size + rank)
+        name, have, want, keys = next((m for m in named if m[3]), named[0])
+        what = f"{', '.join(keys[:3])} does not" if keys else "its sizes do not"
+        return (f"{config_file}: {what} fit the weights: {weights} holds {name} as {have}, the config makes it "
+                f"{want}; use the config.json published with these weights")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"{weights}: no {missing[0]}{more}, which {config_file} asks for; the config is not these weights'"
+    return None
+
+
 def check_finite(tensors: Mapping[str, torch.Tensor], where: Path | str) -> None:
     """Refuse weights holding NaN or inf: an engine would load them and serve garbage drafts without a word."""
     bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
@@ -341,8 +418,34 @@ def write_json_atomic(obj: Any, path: str | os.PathLike) -> None:
     write_text_atomic(json.dumps(obj, indent=2) + "\n", path)
 
 
-def check_output_dir(out_dir: Path, overwrite: bool, keep: tuple[Path, ...] = ()) -> None:
-    """Refuse an occupied destination unless `overwrite`, and never one that holds a folder in `keep`."""
+def write_export_marker(folder: Path) -> None:
+    """Mark `folder` as written by `draftsmith export` (EXPORT_MARKER), so that a later --overwrite may replace it."""
+    write_json_atomic({"written_by": "draftsmith export", "version": draftsmith_version()}, folder / EXPORT_MARKER)
+
+
+def is_export_folder(folder: Path) -> bool:
+    """True when `folder` holds the marker as a regular file (a link named like it could vouch for anything)."""
+    marker = folder / EXPORT_MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
+def _shown(name: str, limit: int = 60) -> str:
+    """A file name as a one-line message can quote it: a newline or other control character shown escaped."""
+    name = name if len(name) <= limit else name[:limit] + "..."
+    return name if name.isprintable() else repr(name)
+
+
+def folder_listing(folder: Path, limit: int = 5) -> str:
+    """The first `limit` entries of `folder`, sorted, folders ending in '/', then '...' if there are more."""
+    names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in folder.iterdir())
+    return ", ".join(_shown(n) for n in names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+def check_output_dir(out_dir: Path, overwrite: bool, keep: tuple[Path, ...] = (), *,
+                     exports_only: bool = False) -> None:
+    """Refuse an occupied destination unless `overwrite`, and never one that holds a folder in `keep`. With
+    `exports_only` (every export), an occupied folder must be an earlier export (its EXPORT_MARKER): --overwrite
+    deletes the old folder, and someone's unrelated files are not draftsmith's to delete."""
     out = out_dir.resolve()
     for kept in keep:
         kept = kept.resolve()
@@ -350,7 +453,13 @@ def check_output_dir(out_dir: Path, overwrite: bool, keep: tuple[Path, ...] = ()
             raise ExportError(f"{out_dir}: would replace {kept}, the checkpoint being exported; choose another --out")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir}: exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if exports_only and not is_export_folder(out_dir):
+        raise ExportError(f"refusing to {'overwrite' if overwrite else 'write into'} {out_dir}: it holds files that "
+                          f"are not a draftsmith export ({folder_listing(out_dir)}); remove them or choose another "
+                          "--out")
+    if not overwrite:
         raise ExportError(f"{out_dir}: exists and is not empty; pass --overwrite to replace it")
 
 
@@ -424,16 +533,17 @@ def _staged(out_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_output_dir(
-    out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = ()
+    out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = (), *, exports_only: bool = False
 ) -> Iterator[Path]:
     """Yield a fresh sibling folder `<out_dir>.tmp-<pid>-<hex>` to fill; on success it becomes `out_dir`, else it
     is removed. Stale temporary siblings of earlier, killed runs are removed first.
 
-    With `overwrite`, an existing `out_dir` is moved aside first and deleted only once the new one is in place.
-    A failed write (a full disk) is an ExportError naming the file; nothing is left behind.
+    With `overwrite`, an existing `out_dir` is moved aside first and deleted only once the new one is in place
+    (with `exports_only`, only when it is an earlier export: check_output_dir). A failed write (a full disk) is an
+    ExportError naming the file; nothing is left behind.
     """
     final = Path(out_dir)
-    check_output_dir(final, overwrite, keep)
+    check_output_dir(final, overwrite, keep, exports_only=exports_only)
     out_dir = _staged(final)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)
@@ -447,7 +557,7 @@ def atomic_output_dir(
                 e.filename = str(final) + str(e.filename)[len(str(tmp)):]  # the file meant, not its temporary
             fix = "free space and rerun" if is_disk_full(e) else "check the folder's permissions"
             raise ExportError(f"{write_failure(e, final)}; nothing was written: {fix}") from None
-        check_output_dir(out_dir, overwrite, keep)  # something may have appeared while we wrote
+        check_output_dir(out_dir, overwrite, keep, exports_only=exports_only)  # something may have appeared meanwhile
         old = None
         if out_dir.exists():
             old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
@@ -467,13 +577,13 @@ def atomic_output_dir(
 
 @contextlib.contextmanager
 def staged_output_dir(
-    out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = ()
+    out_dir: str | os.PathLike, overwrite: bool = False, keep: tuple[Path, ...] = (), *, exports_only: bool = False
 ) -> Iterator[Path]:
     """`out_dir` written as a whole: every atomic_output_dir(`out_dir/...`) inside this block writes into one
     temporary sibling of `out_dir`, which becomes `out_dir` when the block succeeds (`export --format all`). The
     exporters keep naming their final folders (model cards print them), and a kill leaves no partial `out_dir`."""
     out_dir = Path(out_dir)
-    with atomic_output_dir(out_dir, overwrite=overwrite, keep=keep) as tmp:
+    with atomic_output_dir(out_dir, overwrite=overwrite, keep=keep, exports_only=exports_only) as tmp:
         token = _STAGING.set((out_dir.resolve(), tmp))
         try:
             yield tmp
@@ -511,10 +621,12 @@ def write_export(out_dir: Path, ckpt: Path, config: dict[str, Any], tensors: dic
                  extra_files: Mapping[str, Callable[[Path], None]] | None = None) -> ExportResult:
     """Write config.json, model.safetensors, README.md and `extra_files` (name -> writer of that path) into
     `out_dir`, all or nothing (atomic_output_dir), and describe the result. Every format's weights pass here, so
-    this is where non-finite ones are refused."""
+    this is where non-finite ones are refused, the export marker written, and an --overwrite of a folder that is
+    not an export refused."""
     names = [CONFIG_FILE, WEIGHTS_FILE, "README.md", *(extra_files or {})]
     check_finite(tensors, ckpt / WEIGHTS_FILE)
-    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)) as tmp:
+    with atomic_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,), exports_only=True) as tmp:
+        write_export_marker(tmp)
         write_json_atomic(config, tmp / CONFIG_FILE)
         save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
         write_text_atomic(card, tmp / "README.md")

@@ -4,7 +4,7 @@ The formats are those the methods' specs declare (models/registry.py); each expo
 overwrite=..., dtype=..., plus the options its format lists), checks the checkpoint's method itself, validates
 before writing, writes all or nothing, and returns an `ExportResult`. `--format all` runs every format of the
 checkpoint's method, each into `DIR/<format>`, all of them built in a temporary sibling of DIR that is renamed to
-DIR once every format is in.
+DIR once every format is in. Every folder written holds EXPORT_MARKER, and `--overwrite` replaces only such a folder.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from draftsmith.models.checkpoint import (
     read_json,
     resolve_checkpoint,
     staged_output_dir,
+    write_export_marker,
 )
 from draftsmith.models.spec import resolve
 
@@ -56,8 +57,10 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, choices=[*sorted(formats), ALL],
                    help="; ".join(f"{name}: {fmt.help}" for name, (_, fmt) in formats.items())
                    + f"; {ALL}: every format for the checkpoint's method, into DIR/<format>")
-    p.add_argument("--out", required=True, type=Path, help="folder to write (created; must be empty or absent)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    p.add_argument("--out", required=True, type=Path,
+                   help="folder to write (created; must be absent or empty, or an earlier export with --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it holds an earlier export (a folder of other files is never replaced)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(EXPORT_DTYPES),
                    help="dtype of the exported weights (default bfloat16; 'keep' writes the fp32 master weights)")
     p.add_argument("--verifier", default=None, metavar="ORG/NAME",
@@ -78,7 +81,7 @@ def export_all(
     ckpt = resolve_checkpoint(checkpoint)
     raw = read_json(ckpt / CONFIG_FILE)
     method = raw.get("method") if isinstance(raw, dict) else None
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
+    check_output_dir(out_dir, overwrite, keep=(ckpt,), exports_only=True)
     spec = registry.find(method) if isinstance(method, str) else None
     if spec is None:
         raise ExportError(f"{ckpt / CONFIG_FILE}: no export format for method {method!r} (known methods: "
@@ -88,7 +91,8 @@ def export_all(
                for name, (other, _) in registry.formats().items() if other is not spec]
 
     results: dict[str, ExportResult] = {}
-    with staged_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,)):
+    with staged_output_dir(out_dir, overwrite=overwrite, keep=(ckpt,), exports_only=True) as staged:
+        write_export_marker(staged)
         for name in formats:
             try:
                 results[name] = exporter(name)(ckpt, out_dir / name, overwrite=overwrite, dtype=dtype,
@@ -120,6 +124,8 @@ def run_export(args: argparse.Namespace) -> int:
             results, skipped = export_all(args.checkpoint, args.out, overwrite=args.overwrite, dtype=dtype,
                                           **options)
         else:
+            # the exporter refuses a folder that is not an export too, but only once the weights are converted
+            check_output_dir(args.out, args.overwrite, keep=(resolve_checkpoint(args.checkpoint),), exports_only=True)
             results = {args.format: exporter(args.format)(args.checkpoint, args.out, overwrite=args.overwrite,
                                                           dtype=dtype, **_options(args.format, options))}
             skipped = []

@@ -211,12 +211,15 @@ class TargetModel:
     def head_and_embeddings(cls, path: str | Path, dtype: str = "auto", device: str | torch.device | None = None
                             ) -> "TargetModel":
         """The target without its decoder layers: every weight on the meta device (no memory) except the input
-        embeddings and the head, read from its safetensors files. What training from a hidden-state store needs
-        (token embeddings, the teacher's head); any call that runs the layers fails."""
+        embeddings, the final norm and the head, read from its safetensors files. What training from a hidden-state
+        store needs (token embeddings, the teacher's head), and capture through vLLM (which hands over the last state
+        before the final norm); any call that runs the layers fails."""
         import json
 
         from safetensors import safe_open
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from draftsmith.models.checkpoint import inside
 
         device = dev.get_device(device) if not isinstance(device, torch.device) else device
         torch_dtype = dev.resolve_dtype(dtype, device)
@@ -226,12 +229,17 @@ class TargetModel:
         names = {module: name for name, module in model.named_modules()}
         wanted = {f"{names[model.get_input_embeddings()]}.weight": model.get_input_embeddings(),
                   f"{names[model.get_output_embeddings()]}.weight": model.get_output_embeddings()}
+        norm = getattr((decoder_stack(model) or (None,))[0], "norm", None)
+        if isinstance(getattr(norm, "weight", None), torch.Tensor):
+            wanted[f"{names[norm]}.weight"] = norm
         index = _target_file(path, "model.safetensors.index.json")
         weight_map = json.loads(index.read_text())["weight_map"] if index is not None else {
             key: "model.safetensors" for key in wanted}
         for key, module in wanted.items():
             if key not in weight_map and getattr(config, "tie_word_embeddings", False):
                 continue  # a tied head: shares the embedding below
+            if key in weight_map:  # a name the index gives: only ever a file of the target's own folder
+                inside(Path(path), weight_map[key], f"{index}: weight_map[{key!r}]", TargetError)
             shard = _target_file(path, weight_map[key]) if key in weight_map else None
             if shard is None:
                 raise TargetError(f"{path}: no weight {key} in its safetensors files")

@@ -12,9 +12,10 @@ from draftsmith.models.checkpoint import (
     CheckpointImportError,
     ImportedCheckpoint,
     check_tensors,
-    module_shapes,
+    meta_shapes,
     provenance_step,
     resolve_checkpoint,
+    size_mismatch,
 )
 from draftsmith.models.dflash.config import METHOD, DflashConfigError, DflashDrafterConfig
 from draftsmith.models.dflash.export import config_from_export
@@ -46,6 +47,9 @@ def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str
     tensors = load_drafter_weights(weights_path)
     if native and mask_file.is_file():
         tensors["mask_embedding"] = read_mask_embedding(mask_file, raw)
+    problem = size_mismatch(meta_shapes(lambda: DflashDrafter(config)), tensors, raw, config_path, weights_path)
+    if problem:  # before anything builds the drafter: absurd sizes would allocate them first
+        raise DrafterLoadError(problem)
     return config, tensors
 
 
@@ -75,7 +79,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         raise CheckpointImportError(str(e)) from None
     if target:
         config.target_name_or_path = target
-    problems = check_tensors(module_shapes(DflashDrafter(config), "from the config"), tensors)
+    problems = check_tensors(meta_shapes(lambda: DflashDrafter(config)), tensors)
     if problems:
         raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
     return ImportedCheckpoint(config=config.to_dict(), tensors=tensors, step=provenance_step(public))

@@ -25,9 +25,11 @@ from draftsmith.models.checkpoint import (
     ImportedCheckpoint,
     check_tensors,
     load_folder_tensors,
-    module_shapes,
+    meta_shapes,
     provenance_step,
     resolve_checkpoint,
+    size_mismatch,
+    weights_file,
 )
 from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.drafter_config import (
@@ -191,19 +193,25 @@ def read_drafter_folder(path: str | Path) -> tuple[DsparkDrafterConfig, dict[str
             problems = check_draft_vocab(tensors["d2t"], config.draft_vocab_size, config.vocab_size)
             if problems:
                 raise DrafterLoadError(f"{folder}: {problems[0]}")
-        return config, tensors, []
-    if not is_dspark(raw):
+        notes: list[str] = []
+    elif not is_dspark(raw):
         raise DrafterLoadError(f"{config_path}: not a DSpark drafter (no \"method\": \"dspark\", architectures "
                                f"{raw.get('architectures')}, speculators_model_type "
                                f"{raw.get('speculators_model_type')!r})")
-    try:
-        config, notes = config_from_public(raw, tensors)
-    except (DrafterLoadError, KeyError) as e:
-        raise DrafterLoadError(f"{config_path}: {e}") from None
-    try:
-        return config, public_tensors(tensors, config), notes
-    except DrafterLoadError as e:
-        raise DrafterLoadError(f"{folder}: {e}") from None
+    else:
+        try:
+            config, notes = config_from_public(raw, tensors)
+        except (DrafterLoadError, KeyError) as e:
+            raise DrafterLoadError(f"{config_path}: {e}") from None
+        try:
+            tensors = public_tensors(tensors, config)
+        except DrafterLoadError as e:
+            raise DrafterLoadError(f"{folder}: {e}") from None
+    problem = size_mismatch(meta_shapes(lambda: DsparkDrafter(config)), tensors, raw, config_path,
+                            weights_file(folder))
+    if problem:  # before anything builds the drafter: absurd sizes would allocate them first
+        raise DrafterLoadError(problem)
+    return config, tensors, notes
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DsparkDrafter:
@@ -220,7 +228,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         raise CheckpointImportError(str(e)) from None
     if target:
         config.target_name_or_path = target
-    problems = check_tensors(module_shapes(DsparkDrafter(config), "from the config"), tensors, VOCAB_MAP_DTYPES)
+    problems = check_tensors(meta_shapes(lambda: DsparkDrafter(config)), tensors, VOCAB_MAP_DTYPES)
     if problems:
         raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
     return ImportedCheckpoint(config=config.to_dict(), tensors=tensors, notes=notes, step=provenance_step(public))

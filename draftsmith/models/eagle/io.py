@@ -15,9 +15,11 @@ from draftsmith.models.checkpoint import (
     ImportedCheckpoint,
     check_tensors,
     load_folder_tensors,
-    module_shapes,
+    meta_shapes,
     provenance_step,
     resolve_checkpoint,
+    size_mismatch,
+    weights_file,
 )
 from draftsmith.models.drafter_config import DrafterLoadError, load_for_inference, local_folder, read_drafter_config
 from draftsmith.models.eagle.config import METHOD, EagleConfig
@@ -47,9 +49,7 @@ def read_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor], target_co
 
 def tensor_problems(config: EagleConfig, tensors: dict[str, torch.Tensor]) -> list[str]:
     """What keeps `tensors` from loading into the drafter `config` builds (checkpoint.check_tensors)."""
-    with torch.device("meta"):  # shapes only: no memory
-        expected = module_shapes(EagleDrafter(config), "from the config")
-    return check_tensors(expected, tensors)
+    return check_tensors(meta_shapes(lambda: EagleDrafter(config)), tensors)  # shapes only: no memory
 
 
 def read_drafter_folder(path: str | Path) -> tuple[EagleConfig, dict[str, torch.Tensor], list[str]]:
@@ -60,16 +60,18 @@ def read_drafter_folder(path: str | Path) -> tuple[EagleConfig, dict[str, torch.
         tensors = load_folder_tensors(folder)
     except CheckpointImportError as e:
         raise DrafterLoadError(str(e)) from None
-    if raw.get("method") == METHOD:
-        try:
-            return EagleConfig.from_dict(raw), tensors, []
-        except (TypeError, ValueError) as e:
-            raise DrafterLoadError(f"{config_path}: {e}") from None
     try:
-        config, ours, _, notes = read_public(raw, tensors)
-    except ValueError as e:
+        if raw.get("method") == METHOD:
+            config, notes = EagleConfig.from_dict(raw), []
+        else:
+            config, tensors, _, notes = read_public(raw, tensors)
+    except (TypeError, ValueError) as e:
         raise DrafterLoadError(f"{config_path}: {e}") from None
-    return config, ours, notes
+    problem = size_mismatch(meta_shapes(lambda: EagleDrafter(config)), tensors, raw, config_path,
+                            weights_file(folder))
+    if problem:  # before anything builds the drafter: absurd sizes would allocate them first
+        raise DrafterLoadError(problem)
+    return config, tensors, notes
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> EagleDrafter:

@@ -23,8 +23,10 @@ from draftsmith.models.checkpoint import (
     CheckpointImportError,
     ImportedCheckpoint,
     load_folder_tensors,
+    meta_shapes,
     provenance_step,
     resolve_checkpoint,
+    size_mismatch,
 )
 from draftsmith.models.eagle3.config import METHOD, Eagle3Config
 from draftsmith.models.eagle3.export import (
@@ -67,16 +69,20 @@ def read_drafter_folder(path: str | Path) -> tuple[Eagle3Config, dict[str, torch
     cfg, config_path, weights_path = read_drafter_config(Path(path), "EAGLE-3")
     tensors = load_drafter_weights(weights_path)
     if cfg.get("method") == METHOD:
-        return Eagle3Config.from_dict(cfg), tensors
-    if is_native_eagle3(cfg) or is_speculators_eagle3(cfg):
+        config = Eagle3Config.from_dict(cfg)
+    elif is_native_eagle3(cfg) or is_speculators_eagle3(cfg):
         try:
-            config, renamed, _ = read_public_eagle3(cfg, tensors)
+            config, tensors, _ = read_public_eagle3(cfg, tensors)
         except DrafterLoadError as e:
             raise DrafterLoadError(f"{config_path}: {e}") from None
-        return config, renamed
-    raise DrafterLoadError(f"{config_path}: not an EAGLE-3 drafter (no \"method\": \"eagle3\", architectures "
-                           f"{cfg.get('architectures')} are not {sorted(NATIVE_ARCHITECTURES)} and no "
-                           "\"speculators_model_type\": \"eagle3\")")
+    else:
+        raise DrafterLoadError(f"{config_path}: not an EAGLE-3 drafter (no \"method\": \"eagle3\", architectures "
+                               f"{cfg.get('architectures')} are not {sorted(NATIVE_ARCHITECTURES)} and no "
+                               "\"speculators_model_type\": \"eagle3\")")
+    problem = size_mismatch(meta_shapes(lambda: Eagle3Drafter(config)), tensors, cfg, config_path, weights_path)
+    if problem:  # before anything builds the drafter: absurd sizes would allocate them first
+        raise DrafterLoadError(problem)
+    return config, tensors
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> Eagle3Drafter:

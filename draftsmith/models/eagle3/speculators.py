@@ -45,6 +45,7 @@ from draftsmith.models.checkpoint import (
     check_output_dir,
     config_for_export,
     draftsmith_version,
+    inside,
     load_checkpoint,
     read_card_inputs,
     read_optional_json,
@@ -145,6 +146,10 @@ def load_target_embedding(target: str) -> tuple[torch.Tensor | None, str]:
     )
     if not names:
         return None, f"target {target!r}: no *embed_tokens.weight tensor among its weights"
+    try:  # a name the index gives: only ever a file of the target's own folder
+        inside(Path(target), weight_map[names[0]], f"{index_path}: weight_map[{names[0]!r}]", ValueError)
+    except ValueError as e:
+        return None, str(e)
     shard = find_target_file(target, weight_map[names[0]])
     if shard is None:
         return None, f"target {target!r}: shard {weight_map[names[0]]} is not available locally"

@@ -29,6 +29,8 @@ from draftsmith.models.checkpoint import (
     provenance_step,
     read_json,
     resolve_checkpoint,
+    size_mismatch,
+    weights_file,
 )
 from draftsmith.models.gemma4_mtp.config import METHOD, MODEL_TYPES, Gemma4MtpConfig
 from draftsmith.models.gemma4_mtp.model import Gemma4MtpDrafter
@@ -72,6 +74,7 @@ def read_folder(path: str | Path) -> tuple[Gemma4MtpConfig, dict[str, torch.Tens
         if isinstance(raw, dict) and raw.get("model_type") in MODEL_TYPES:
             config = Gemma4MtpConfig.from_assistant(raw, source=str(path))
             tensors = load_folder_tensors(folder)
+            config_file, weights = top, weights_file(folder)
         else:
             ckpt = resolve_checkpoint(folder)
             raw = read_json(ckpt / CONFIG_FILE)
@@ -80,7 +83,8 @@ def read_folder(path: str | Path) -> tuple[Gemma4MtpConfig, dict[str, torch.Tens
                 raise Gemma4MtpLoadError(f"{ckpt / CONFIG_FILE}: {got!r} is not a Gemma 4 assistant (model_type "
                                          f"{MODEL_TYPES[0]!r}) nor a draftsmith {METHOD!r} checkpoint")
             config = Gemma4MtpConfig.from_dict(raw)
-            tensors = load_file(str(ckpt / WEIGHTS_FILE))
+            config_file, weights = ckpt / CONFIG_FILE, ckpt / WEIGHTS_FILE
+            tensors = load_file(str(weights))
     except (CheckpointError, CheckpointImportError) as e:
         raise Gemma4MtpLoadError(str(e)) from None
     except (TypeError, ValueError) as e:
@@ -92,6 +96,11 @@ def read_folder(path: str | Path) -> tuple[Gemma4MtpConfig, dict[str, torch.Tens
     order = tensors.get("masked_embedding.token_ordering")
     if order is not None and not order.is_floating_point():
         tensors["masked_embedding.token_ordering"] = order.long()  # an index table, whatever integer type it came in
+    with torch.device("meta"):  # shapes only: no memory
+        expected = expected_shapes(Gemma4MtpDrafter(config))
+    problem = size_mismatch(expected, tensors, raw, config_file, weights)
+    if problem:  # before anything builds the drafter: absurd sizes would allocate them first
+        raise Gemma4MtpLoadError(problem)
     return config, tensors
 
 
@@ -107,11 +116,18 @@ def check_drafter_tensors(drafter: Gemma4MtpDrafter, tensors: dict[str, torch.Te
     return check_tensors(expected_shapes(drafter), tensors, dtypes=INT_TENSORS)
 
 
-def drafter_from(config: Gemma4MtpConfig, tensors: dict[str, torch.Tensor], where: str) -> Gemma4MtpDrafter:
-    drafter = Gemma4MtpDrafter(config)
-    problems = check_drafter_tensors(drafter, tensors)
+def check_config_tensors(config: Gemma4MtpConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse tensors that do not load into the drafter `config` builds, asked of one built on the meta device (no
+    memory, whatever the config's sizes)."""
+    with torch.device("meta"):
+        problems = check_drafter_tensors(Gemma4MtpDrafter(config), tensors)
     if problems:
         raise Gemma4MtpLoadError(f"{where}: tensors do not match its assistant config: " + "; ".join(problems))
+
+
+def drafter_from(config: Gemma4MtpConfig, tensors: dict[str, torch.Tensor], where: str) -> Gemma4MtpDrafter:
+    check_config_tensors(config, tensors, where)
+    drafter = Gemma4MtpDrafter(config)
     drafter.load_state_dict(tensors, strict=False)
     return drafter
 
@@ -126,7 +142,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
     """`draftsmith import` of a published assistant folder (ExportFormat.read)."""
     try:
         config, tensors = read_folder(folder)
-        drafter_from(config, tensors, str(folder))
+        check_config_tensors(config, tensors, str(folder))
     except Gemma4MtpLoadError as e:
         raise CheckpointImportError(str(e)) from None
     if target:

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from draftsmith.models.checkpoint import inside
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEEPSEEK_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")  # module parts outside the block
@@ -71,10 +73,11 @@ def weight_files(folder: Path) -> dict[str, Path]:
     index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise NativeMtpError(f"{index}: not a safetensors index ({e})") from None
-        return {name: folder / file for name, file in weight_map.items()}
+        return {name: inside(folder, file, f"{index}: weight_map[{name!r}]", NativeMtpError)
+                for name, file in weight_map.items()}
     single = folder / SINGLE_FILE
     if single.is_file():
         with safe_open(str(single), "pt") as f:
