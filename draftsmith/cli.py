@@ -36,6 +36,18 @@ def _collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_data_args(p):
+    from draftsmith.data.peer_store import add_import_data_args
+
+    add_import_data_args(p)
+
+
+def _import_data(args):
+    from draftsmith.data.peer_store import run_import_data
+
+    return run_import_data(args)
+
+
 def _export_args(p):
     from draftsmith.models.export import add_export_args
 
@@ -127,6 +139,8 @@ COMMANDS = {
                    _regenerate_args, _regenerate),
     "collect": ("write the target's hidden states for a recipe's data into a store (data.hidden_states_path)",
                 _add_train_args, _collect),
+    "import-data": ("write the hidden-state store (data.hidden_states_path) from a peer's hidden states (speculators' "
+                    "hs_{i}.safetensors folder) instead of running the target", _import_data_args, _import_data),
     "export": ("export a checkpoint for vLLM / SGLang", _export_args, _export),
     "import": ("convert a published drafter (native EAGLE-3, speculators) into a draftsmith checkpoint",
                _import_args, _import),

@@ -113,6 +113,31 @@ class DataConfig(BaseModel):
         return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
 
 
+class VllmCaptureConfig(BaseModel):
+    """The `collect.vllm:` section: the target's states captured by vLLM's `extract_hidden_states` method
+    (data/vllm_capture.py), for targets that need vLLM's tensor or data parallelism."""
+
+    model_config = _STRICT
+
+    # A running `vllm serve` of the target (http://host:port), started with the line `draftsmith collect` prints;
+    # its hidden-state files must be readable here (the same machine or a shared file system). None: vLLM runs in
+    # this process (vllm.LLM) with the settings below.
+    url: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    # Any other vllm.LLM / engine argument, passed through as given (e.g. max_model_len, gpu_memory_utilization,
+    # enforce_eager, quantization)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Where vLLM's connector writes each request's file before collect moves its states into the store; None: a
+    # `.vllm-staging` folder inside the store (in-process mode; the server's own --kv-transfer-config path otherwise)
+    staging_path: str | None = None
+    # Client mode, as `draftsmith regenerate` has them: requests in flight, seconds a request may take (the whole
+    # request, reading its file included), and retries of a failed request before the job stops
+    concurrency: int = Field(8, ge=1)
+    timeout: float = Field(600.0, gt=0)
+    retries: int = Field(3, ge=0)
+
+
 class CollectConfig(BaseModel):
     """The `collect:` section: how `draftsmith collect` writes the hidden-state store (data/store.py)."""
 
@@ -121,6 +146,10 @@ class CollectConfig(BaseModel):
     max_shard_bytes: int = Field(2_000_000_000, ge=1)  # a shard is closed once it holds about this much
     dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = "bfloat16"  # fp8: with a float32 scale per token
     batch_tokens: int = Field(16384, ge=16)  # padded tokens per target forward (samples sorted by length)
+    # Who runs the target: `hf` draftsmith's own transformers forward (one device per process, accelerate launches
+    # more); `vllm` vLLM's extract_hidden_states (its tensor and data parallelism, in process or a server)
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm: VllmCaptureConfig = Field(default_factory=VllmCaptureConfig)
 
 
 class TrainingConfig(BaseModel):

@@ -41,8 +41,15 @@ def collect(recipe: Recipe, log=print) -> Path:
     with state.main_process_first():
         data = prepare_dataset(recipe.data, tokenizer, log=log)
     samples = [*data.train, *data.eval]
-    target = TargetModel.from_pretrained(recipe.model.target, dtype=recipe.model.dtype, device=state.device,
-                                         attn_implementation=recipe.model.attn_implementation)
+    if recipe.collect.engine == "vllm":
+        if world > 1:
+            raise RecipeError("collect.engine vllm runs in one process (vLLM spreads the target over its own "
+                              "tensor and data parallel workers): run draftsmith collect, not accelerate launch")
+        # the layers run in vLLM; here only the final norm (and the head and embeddings the method reads)
+        target = TargetModel.head_and_embeddings(recipe.model.target, dtype=recipe.model.dtype, device="cpu")
+    else:
+        target = TargetModel.from_pretrained(recipe.model.target, dtype=recipe.model.dtype, device=state.device,
+                                             attn_implementation=recipe.model.attn_implementation)
     method = method_class(recipe.model.method)(recipe, target)
     hidden = target.config.hidden_size
     header = recipe_store_header(recipe, tokenizer, target, method, data, recipe.collect.dtype)
@@ -58,10 +65,19 @@ def collect(recipe: Recipe, log=print) -> Path:
     done = _tokens_done(folder, rank)
     mine = sum(len(s.input_ids) for s in samples[rank::world])
     check_disk(folder, (mine - done) * per_token)
-    with dev.sdpa_without_cudnn():  # every batch has a new shape (device.py)
-        collect_rank(target, method.aux_layer_ids, samples, folder, header, rank=rank, world=world,
+    if recipe.collect.engine == "vllm":
+        capture = _vllm_capture(recipe, target, method.aux_layer_ids, samples, folder, log)
+        collect_rank(capture, method.aux_layer_ids, samples, folder, header,
                      max_shard_bytes=recipe.collect.max_shard_bytes, dtype=recipe.collect.dtype,
                      batch_tokens=recipe.collect.batch_tokens, log=log)
+        if capture.errors:
+            log(f"collect: {capture.errors} vLLM request(s) failed and were sent again")
+        getattr(capture.engine, "close", lambda: None)()
+    else:
+        with dev.sdpa_without_cudnn():  # every batch has a new shape (device.py)
+            collect_rank(target, method.aux_layer_ids, samples, folder, header, rank=rank, world=world,
+                         max_shard_bytes=recipe.collect.max_shard_bytes, dtype=recipe.collect.dtype,
+                         batch_tokens=recipe.collect.batch_tokens, log=log)
     state.wait_for_everyone()
     if state.is_main_process:
         index = write_index(folder, header, len(samples), world)
@@ -69,6 +85,29 @@ def collect(recipe: Recipe, log=print) -> Path:
             f"{human_bytes(index['bytes'])} in {len(index['shards'])} shards to {folder}")
     state.wait_for_everyone()
     return folder
+
+
+def _vllm_capture(recipe: Recipe, target, aux_layer_ids: list[int], samples, folder: Path, log):
+    """The capture through vLLM (data/vllm_capture.py): the engine started (in process) or found (client mode),
+    checked with one request before the store's folder is touched."""
+    from draftsmith.data.vllm_capture import STAGING, LocalVllm, VllmCapture, VllmLayers, VllmServer, probe, serve_command
+
+    cfg = recipe.collect.vllm
+    layers = VllmLayers(tuple(aux_layer_ids), target.num_layers)
+    if cfg.url:
+        log(f"collect: capturing through the vLLM server at {cfg.url}, layer ids {layers.requested}; it must run as: "
+            + serve_command(recipe.model.target, layers, cfg.staging_path or "/tmp/draftsmith-hidden-states",
+                            cfg.tensor_parallel_size, cfg.data_parallel_size))
+        engine = VllmServer(cfg.url, recipe.model.target, concurrency=cfg.concurrency, timeout=cfg.timeout)
+    else:
+        staging = Path(cfg.staging_path).expanduser() if cfg.staging_path else folder / STAGING
+        log(f"collect: starting vLLM in this process (tensor parallel {cfg.tensor_parallel_size}, data parallel "
+            f"{cfg.data_parallel_size}), layer ids {layers.requested}")
+        engine = LocalVllm(recipe.model.target, layers, staging, dtype=recipe.model.dtype,
+                           tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+                           engine_args=cfg.engine_args)
+    probe(engine, layers, target.hidden_size, samples[0].input_ids[:16])
+    return VllmCapture(engine, layers, target.final_norm, target.hidden_size, retries=cfg.retries, log=log)
 
 
 def _tokens_done(folder: Path, rank: int) -> int:
