@@ -7,7 +7,7 @@ temperature-1 samples. The search is greedy and staged: stage 1 tries each chang
 changes that raised tau at k=5 are combined; stage 2 tries each remaining change on that combination, and the
 best configuration wins. Every run is saved to the JSON as it finishes.
 
-    python benchmarks/ablate_eagle3.py --recipe recipes/eagle3_fixture.yaml --minutes 0.67 \
+    python -m benchmarks.ablate_eagle3 --recipe recipes/eagle3_fixture.yaml --minutes 0.67 \
         --answers .devdata/mtbench_greedy_fp32.json --answers-t1 .devdata/mtbench_t1_fp32.json \
         --out benchmarks/results/local/ablation.json data.max_samples=2500 model.draft_vocab_size=8192
 """
@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
-import torch
-
+from benchmarks.acceptance import load_answers, simulate
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 from draftsmith import device as dev
-from draftsmith.models.checkpoint import write_json_atomic
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from acceptance import load_answers, simulate  # noqa: E402
 
 # What the issue names as candidate causes, as recipe overrides on top of the baseline (the recipe as shipped).
 STAGE1 = {
@@ -45,18 +40,6 @@ STAGE2 = {
     "linear_schedule": ["training.lr_schedule=linear"],
     "packing": ["training.packing=true"],  # the same token budget, packed into one row: no padding computed
 }
-
-
-def versions() -> dict:
-    import accelerate
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__}
-
-
-def hardware() -> str:
-    return dev.device_name(dev.get_device())
 
 
 def train_for_minutes(recipe_path: str, overrides: list[str], minutes: float, log=lambda *a: None):
@@ -121,13 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     answers = load_answers(args.answers)
     answers_t1 = load_answers(args.answers_t1) if args.answers_t1 else None
     started = time.time()
-    result = {"command": shlex.join(["python", *sys.argv]), "hardware": hardware(), "versions": versions(),
-              "recipe": args.recipe, "shared_overrides": args.overrides, "minutes_per_run": args.minutes,
+    result = {**run_info(), "recipe": args.recipe, "shared_overrides": args.overrides, "minutes_per_run": args.minutes,
               "metric": "simulated greedy tau over the target's float32 answers (exact at T=0)", "runs": []}
 
     def save():  # after every stage, all or nothing: a run cut short keeps what it measured
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(result, args.out)
+        write_json(result, args.out)
 
     def run(name, overrides):
         if args.deadline_minutes is not None and (time.time() - started) / 60 > args.deadline_minutes:

@@ -1,11 +1,11 @@
 """Greedy acceptance of EAGLE-3 drafters, simulated over the target's own greedy answers (draftsmith.inference.simulate).
 
     # once: the target's float32 greedy (and temperature-1) answers to the 80 MT-bench first turns
-    python benchmarks/acceptance.py answers --target .fixture/sharegpt-llama-19m \
+    python -m benchmarks.acceptance answers --target .fixture/sharegpt-llama-19m \
         --dataset .devdata/question.jsonl --max-new-tokens 256 --out .devdata/mtbench_greedy_fp32.json
-    python benchmarks/acceptance.py answers ... --temperature 1 --seed 0 --out .devdata/mtbench_t1_fp32.json
+    python -m benchmarks.acceptance answers ... --temperature 1 --seed 0 --out .devdata/mtbench_t1_fp32.json
     # then any number of drafters (checkpoints, output_dirs or exported / imported folders)
-    python benchmarks/acceptance.py sim --target .fixture/sharegpt-llama-19m \
+    python -m benchmarks.acceptance sim --target .fixture/sharegpt-llama-19m \
         --answers .devdata/mtbench_greedy_fp32.json --drafter NAME=PATH ... --out sim.json
 
 With greedy verification the committed text is fixed, so the simulated counters equal what `draftsmith eval` counts
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.models.checkpoint import write_json_atomic
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 
 KS = (1, 2, 3, 4, 5, 6, 7)
 
@@ -44,12 +45,12 @@ def write_answers(target_path: str, dataset: str, max_new_tokens: int, out: Path
     lookahead = max(KS) if temperature == 0 else 0  # the target's tokens past each answer (runtime's last drafts)
     answers = plain_answers(target, prompts, max_new_tokens, eos, temperature, seed, lookahead=lookahead)
     answers, extended = answers if lookahead else (answers, None)
-    record = {"target": str(target_path), "dataset": str(dataset), "dtype": "float32",
+    record = {**run_info(target), "target": str(target_path), "dataset": str(dataset), "dtype": "float32",
               "temperature": temperature, "seed": seed if temperature > 0 else None,
               "device": str(target.device), "max_new_tokens": max_new_tokens, "eos_token_ids": sorted(eos),
               "seconds": round(time.time() - started, 1), "prompts": prompts, "answers": answers,
               "extended": extended}
-    write_json_atomic(record, out)
+    write_json(record, out)
     return record
 
 
@@ -99,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
 
     target = TargetModel.from_pretrained(args.target, dtype="float32", device=args.device)
     answers = load_answers(args.answers)
-    results = {}
+    results = {**run_info(target), "answers": str(args.answers), "drafters": {}}
     for entry in args.drafter:
         name, _, path = entry.partition("=")
-        results[name] = {"path": path, **simulate(target, path, answers)}
-        print(f"{name}: tau " + " ".join(f"k{k}={v:.2f}" for k, v in results[name]["tau"].items()))
-    write_json_atomic(results, args.out)
+        results["drafters"][name] = row = {"path": path, **simulate(target, path, answers)}
+        print(f"{name}: tau " + " ".join(f"k{k}={v:.2f}" for k, v in row["tau"].items()))
+        write_json(results, args.out)  # after every drafter: a run cut short keeps what it measured
     return 0
 
 

@@ -4,7 +4,7 @@
 cuDNN attention builds an execution plan per new shape; eager decoding steps (drafters, extend, prefill) change
 the key length every step, so each would pay a plan build.
 
-    python benchmarks/attention_backends.py --target .fixture/sharegpt-llama-19m \
+    python -m benchmarks.attention_backends --target .fixture/sharegpt-llama-19m \
         --spec '{"method":"mtp","model":DIR,"num_speculative_tokens":3}' --out attention_backends.json
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 from draftsmith import device as dev
-from draftsmith.inference.eval import eos_token_ids, load_prompts, run_info
+from draftsmith.inference.eval import eos_token_ids, load_prompts
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.target import TargetModel
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompts(args.dataset, tokenizer, limit=args.num_prompts)
     eos = eos_token_ids(target, tokenizer)
-    report = {**run_info(target, sys.argv), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    report = {**run_info(target), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "rows": []}
     for spec in [None, *(json.loads(s) for s in args.spec)]:
         for runtime_backends in (False, True):
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             report["rows"].append(row)
             print(f"{(spec or {}).get('method', 'plain'):6s} {row['backends']:22s} "
                   f"{row['tokens_per_second']:8.1f} tok/s {row['ms_per_step']:7.2f} ms/step", flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(report, args.out)
     dev.synchronize(target.device)
     return 0
 

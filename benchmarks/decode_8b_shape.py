@@ -3,7 +3,7 @@ Hugging Face `generate` in one process, against the bound of reading every weigh
 the decoder layers fused by torch.compile (DRAFTSMITH_COMPILE=1; the warm-up that compiles is timed apart), plus
 the cost of a verification step of width T = k + 1 relative to a one-token step (what the ideal speedup assumes).
 
-    python benchmarks/decode_8b_shape.py --out decode_8b_shape.json [--layers 32]
+    python -m benchmarks.decode_8b_shape --out decode_8b_shape.json [--layers 32]
 
 Needs an accelerator with about 20 GB free. Random weights make the output meaningless but not the timing.
 """
@@ -11,20 +11,17 @@ Needs an accelerator with about 20 GB free. Random weights make the output meani
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from benchmarks.shapes import LLAMA_31_8B, random_target
 from draftsmith import device as dev
-from draftsmith.inference.eval import run_info
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.models.target import TargetModel
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import LLAMA_31_8B, random_target  # noqa: E402
 
 
 def copy_bandwidth(device, gigabytes: float = 2.0) -> float:
@@ -50,7 +47,7 @@ def main(argv=None) -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bandwidth = copy_bandwidth(device)
     prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    report = {**run_info(target, sys.argv), "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
+    report = {**run_info(target), "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
               "bound_tokens_per_s": bandwidth / weight_bytes}
 
     report["draftsmith"] = measure(target, prompt, args.new_tokens, device)
@@ -81,7 +78,7 @@ def main(argv=None) -> int:
               + (f"  (warm-up {r['warmup_seconds']:.1f} s)" if "warmup_seconds" in r else ""))
         if "step_ms_by_width" in r:
             print("  step ms by width: " + " ".join(f"T={w}:{ms:.2f}" for w, ms in r["step_ms_by_width"].items()))
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(report, args.out)
     return 0
 
 

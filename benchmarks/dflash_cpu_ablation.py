@@ -6,24 +6,21 @@ and each variant trains the same batches in the same order, so variants differ o
 learning-speed probe (short blocks, few anchors, 256-token samples), not a quality figure: the GPU runs of
 `benchmarks/gpu_drafter_quality.sh` measure acceptance.
 
-    python benchmarks/dflash_cpu_ablation.py --out benchmarks/results/dflash_6min_h200/cpu_ablation.json \
+    python -m benchmarks.dflash_cpu_ablation --out benchmarks/results/dflash_6min_h200/cpu_ablation.json \
         --variant adamw_1e-3:optimizer=adamw,lr=1e-3 --variant muon_1e-3:optimizer=muon,lr=1e-3 ...
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 from draftsmith.data import load_conversations
 from draftsmith.data.tokenize import tokenize_conversations
 from draftsmith.models.dflash.config import DflashDrafterConfig
@@ -31,7 +28,7 @@ from draftsmith.models.dflash.loss import block_labels, dflash_loss, sample_anch
 from draftsmith.models.dflash.model import DflashDrafter, init_drafter
 from draftsmith.models.target import TargetModel, load_target_tokenizer
 from draftsmith.train.optim import muon_groups
-from draftsmith.train.trainer import collate
+from draftsmith.train.batching import collate
 
 
 def captured(target, config, samples, batch_size, pad_id):
@@ -150,19 +147,14 @@ def main() -> None:
         results[name] = run_variant(target, config, train, held_out, settings, args)
         print(name, results[name]["held_out_slot_accuracy"], flush=True)
     report = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "hardware": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **run_info(device="cpu"), "threads": torch.get_num_threads(),
         "setup": {"train_samples": len(samples) - args.eval_samples, "held_out_samples": args.eval_samples,
                   "max_length": args.max_length, "batch_size": args.batch_size, "steps": args.steps,
                   "block_size": args.block_size, "anchors": args.anchors, "layers": args.layers,
                   "schedule": "20 warmup steps, cosine to 0", "max_grad_norm": 1.0},
         "variants": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(args.out)
+    write_json(report, args.out)
     print(f"wrote {args.out}")
 
 

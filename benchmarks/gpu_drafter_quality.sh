@@ -50,7 +50,7 @@ left() { echo $(( BUDGET - SECONDS )); }
 case "$STAGE" in
   ablation)
     [ -f .devdata/sharegpt_2500.jsonl ] || xz -dc .gpu/sharegpt_2500.jsonl.xz > .devdata/sharegpt_2500.jsonl
-    timeout "$(left)" python3 benchmarks/ablate_eagle3.py --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
+    timeout "$(left)" python3 -m benchmarks.ablate_eagle3 --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
       --minutes "${MINUTES:-0.6}" $ANSWERS --out "$OUT/ablation.json" --runs-dir /tmp/ablation-$$ \
       --deadline-minutes "$(( ($(left) - 75) / 60 ))" ${ONLY:+--only "$ONLY"} $SHARED ${EXTRA:-} 2>&1 \
       | grep -v "it/s]\|s/it]\|Loading weights\|tokenize:" | tail -40
@@ -59,7 +59,7 @@ case "$STAGE" in
     python3 -c "import datasets, pyarrow, speculators.train.cli; print('datasets', datasets.__version__, 'pyarrow',
       pyarrow.__version__)" || { echo "speculators' dependencies do not import: carry them in .whl/" >&2; exit 3; }
     [ -f .devdata/sharegpt_2500.jsonl ] || xz -dc .gpu/sharegpt_2500.jsonl.xz > .devdata/sharegpt_2500.jsonl
-    timeout "$(left)" python3 benchmarks/peer_eagle3.py --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
+    timeout "$(left)" python3 -m benchmarks.peer_eagle3 --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
       --work /tmp/peer-$$ $ANSWERS --out "$OUT/peer_eagle3.json" --spec-epochs "${SPEC_EPOCHS:-2}" \
       --spec-flags "${SPEC_FLAGS:---loss-implementation eager}" --deadline-seconds "$(( $(left) - 10 ))" \
       --runtime-ks "${RUNTIME_KS:-}" --runtime-temperatures "${RUNTIME_TEMPERATURES:-0,1}" \
@@ -82,7 +82,7 @@ case "$STAGE" in
     cp /tmp/regen/errors.jsonl "$OUT/regenerate_errors.jsonl"
     mkdir -p .devdata/regenerated && cp /tmp/regen/regenerated.jsonl .devdata/regenerated/regenerated.jsonl
     xz -T0 -6 -c .devdata/regenerated/regenerated.jsonl > "$OUT/regenerated.jsonl.xz"
-    timeout "$(left)" python3 benchmarks/ablate_eagle3.py --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
+    timeout "$(left)" python3 -m benchmarks.ablate_eagle3 --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
       --minutes "${MINUTES:-1.0}" $ANSWERS --out "$OUT/ablation_data.json" --runs-dir /tmp/ablation-$$ \
       --only regenerated --candidate "regenerated=data.path=.devdata/regenerated/regenerated.jsonl" \
       data.path=.devdata/sharegpt_train.jsonl 2>&1 | grep -v "it/s]\|s/it]\|Loading weights\|tokenize:" | tail -6
@@ -132,9 +132,9 @@ case "$STAGE" in
       | grep -v "Loading weights" | tail -16
     cp "$OUT"/eval_full/eval.json "$OUT/eval_full.json" 2>/dev/null
     case " $METHODS " in *" eagle3 "*)
-      timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_greedy_fp32.json \
+      timeout "$(left)" python3 -m benchmarks.acceptance sim --target $TARGET --answers .devdata/mtbench_greedy_fp32.json \
         --drafter eagle3=/tmp/full-$$/eagle3 --out "$OUT/sim_full_eagle3.json" 2>&1 | tail -2
-      timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_t1_fp32.json \
+      timeout "$(left)" python3 -m benchmarks.acceptance sim --target $TARGET --answers .devdata/mtbench_t1_fp32.json \
         --drafter eagle3=/tmp/full-$$/eagle3 --out "$OUT/sim_full_eagle3_t1.json" 2>&1 | tail -2 ;;
     esac
     ;;
@@ -215,7 +215,7 @@ print(max(range(len(rows)), key=lambda i: float(rows[i][1] or 0)))" "$OUT/speed.
         output_dir=/tmp/peer-side-$$ ${runs[$best]} > "$OUT/peer_side_train.log" 2>&1
       grep -E "time budget|done:" "$OUT/peer_side_train.log" | tail -3
       for t in greedy t1; do
-        timeout "$(left)" python3 benchmarks/acceptance.py sim --target $TARGET --answers .devdata/mtbench_${t}_fp32.json \
+        timeout "$(left)" python3 -m benchmarks.acceptance sim --target $TARGET --answers .devdata/mtbench_${t}_fp32.json \
           --drafter draftsmith=/tmp/peer-side-$$ --out "$OUT/peer_side_sim_$t.json" 2>&1 | tail -2
       done
     fi

@@ -33,7 +33,7 @@ timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET --dataset mt_b
   --speculative-config '{"method":"suffix","num_speculative_tokens":24}' ${EXTRA_EVAL_ARGS:-} 2>&1 \
   | grep -v "Loading weights" | tail -30
 [ "$(left)" -gt 60 ] && timeout "$(( $(left) < 150 ? $(left) : 150 ))" \
-  python3 benchmarks/decode_8b_shape.py --out "$OUT/decode_8b_shape.json" 2>&1 | tail -4
+  python3 -m benchmarks.decode_8b_shape --out "$OUT/decode_8b_shape.json" 2>&1 | tail -4
 [ "$(left)" -gt 40 ] && timeout "$(left)" python3 -m draftsmith.cli eval --target $TARGET \
   --dataset mt_bench=.devdata/question.jsonl --dtype bfloat16 --max-new-tokens 256 --temperature 1 --seed 0 \
   --num-speculative-tokens 1 2 3 4 5 6 7 --out "$OUT/eval_t1" \

@@ -64,7 +64,7 @@ if [ "${PROFILE:-}" = 1 ]; then  # one more step of each run under the torch pro
   mkdir -p "$PROFILE_DIR"
 fi
 start=$SECONDS
-timeout "$(( $(left) - 15 ))" "$PYTHON" benchmarks/train_8b_shape.py --out "$OUT/train_8b_shape.json" --runs "$RUNS" \
+timeout "$(( $(left) - 15 ))" "$PYTHON" -m benchmarks.train_8b_shape --out "$OUT/train_8b_shape.json" --runs "$RUNS" \
   --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" ${TINY:+--tiny} ${FIXTURE_SHAPE:+--fixture-shape} ${PROFILE_DIR:+--profile "$PROFILE_DIR"} 2>&1 \
   | grep -v "Warning\|warn(" \
   | tee "$OUT/train_8b_shape.log" | tail -30
@@ -72,5 +72,5 @@ echo "train_8b_shape: $(( SECONDS - start )) s" | tee -a "$OUT/train_8b_shape.lo
 
 COMMAND="BUDGET=$BUDGET TESTS='$TESTS' RUNS='$RUNS' STEPS=${STEPS:-4} ${TINY:+TINY=1 }${FIXTURE_SHAPE:+FIXTURE_SHAPE=1 }${SKIP_TESTS:+SKIP_TESTS=1 }${FUSED_LOSS:+FUSED_LOSS=1 }"\
 "${PROFILE_DIR:+PROFILE=1 }bash benchmarks/gpu_kernels.sh" \
-  "$PYTHON" benchmarks/kernels_summary.py "$OUT"
+  "$PYTHON" -m benchmarks.kernels_summary "$OUT"
 ls -la "$OUT"

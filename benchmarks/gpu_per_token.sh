@@ -44,7 +44,7 @@
 #                                  dill, multiprocess, hs-connectors, loguru, openai<3 (3.x imports httpx2, which
 #                                  the machine lacks; 2.54.0 takes its httpx), pydantic-settings, ...
 # Writes into $OUT (default benchmarks/results/local): per_token.json, run.log, gpu.txt, logs.tar.xz.
-# Make the PNG here afterwards: python benchmarks/plot_per_token.py OUT/per_token.json
+# Make the PNG here afterwards: python -m benchmarks.plot_per_token OUT/per_token.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/local}"
@@ -80,13 +80,13 @@ TARGET=.fixture/sharegpt-llama-19m
 ANSWERS=.devdata/mtbench_greedy_fp32.json
 mkdir -p "$WORK"
 if [ ! -f "$ANSWERS" ]; then
-  python3 benchmarks/acceptance.py answers --target $TARGET --dataset .devdata/question.jsonl \
+  python3 -m benchmarks.acceptance answers --target $TARGET --dataset .devdata/question.jsonl \
     --max-new-tokens "${MAX_NEW_TOKENS:-256}" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} --out "$ANSWERS" \
     > "$WORK/answers.log" 2>&1 &
 fi
 MERGE_FLAGS=()
 for f in ${MERGE:-}; do MERGE_FLAGS+=(--merge "$f"); done
-timeout $(( BUDGET - SECONDS )) python3 benchmarks/per_token.py --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
+timeout $(( BUDGET - SECONDS )) python3 -m benchmarks.per_token --recipe "${RECIPE:-recipes/eagle3_fixture.yaml}" \
   --work "$WORK" --out "$OUT/per_token.json" --answers "$ANSWERS" --deadline-seconds $(( BUDGET - SECONDS - 15 )) \
   --steps "${STEPS:-834}" --configs "${CONFIGS:-baseline,freeze_head}" --seeds "${SEEDS:-0,1}" \
   ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"} --max-parallel "${MAX_PARALLEL:-0}" --curve-configs "${CURVE_CONFIGS:-baseline,freeze_head}" \

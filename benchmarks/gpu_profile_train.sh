@@ -44,7 +44,7 @@ for run in $RUNS; do
   [ "$left" -gt 30 ] || { echo "$name: no time left" | tee -a "$OUT/gpu.txt"; continue; }
   start=$SECONDS
   mkdir -p "$WORK/$name"
-  env "${envs[@]}" timeout "$left" python3 benchmarks/profile_train.py --out "$WORK/$name" --skip "${SKIP:-60}" \
+  env "${envs[@]}" timeout "$left" python3 -m benchmarks.profile_train --out "$WORK/$name" --skip "${SKIP:-60}" \
     --active "${PROFILE_ACTIVE:-5}" "${spec[@]}" training.log_every=20 > "$WORK/$name/run.log" 2>&1
   echo "$name: rc $? in $(( SECONDS - start )) s" | tee -a "$OUT/gpu.txt"
   cp "$WORK/$name/profile.json" "$OUT/$name.json" 2>/dev/null

@@ -32,11 +32,11 @@ case "$STAGE" in
     place_shared_fixtures
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_gpu.py 2>&1 \
       | tail -25 | tee -a "$OUT/gpu_tests.log"
-    timeout "${DECODE_TIMEOUT:-330}" python3 benchmarks/decode_8b_shape.py --out "$OUT/decode_8b_shape.json" 2>&1 \
+    timeout "${DECODE_TIMEOUT:-330}" python3 -m benchmarks.decode_8b_shape --out "$OUT/decode_8b_shape.json" 2>&1 \
       | grep -v "Loading weights" | tail -12 | tee "$OUT/decode_8b_shape.log"
     ;;
   t0|t1)
-    timeout "${RUN_TIMEOUT:-560}" python3 benchmarks/runtime_benchmark.py --target $TARGET --drafter $EAGLE3 \
+    timeout "${RUN_TIMEOUT:-560}" python3 -m benchmarks.runtime_benchmark --target $TARGET --drafter $EAGLE3 \
       --dataset .devdata/question.jsonl --dtype bfloat16 --temperatures "${STAGE#t}" --out "$OUT" 2>&1 \
       | grep -v "Loading weights\|it/s\]" | tail -40 | tee "$OUT/runtime_${STAGE}.log"
     ;;
@@ -52,7 +52,7 @@ case "$STAGE" in
         --num-prompts 12 --dtype float32 --max-new-tokens 256 --out "$OUT/tree_fp32" "${trees[@]}" 2>&1 \
         | grep -v "Loading weights\|it/s\]" | tail -8 | tee -a "$OUT/trees.log"
     fi
-    timeout "$(left)" python3 benchmarks/runtime_benchmark.py --target $TARGET --drafter $EAGLE3 \
+    timeout "$(left)" python3 -m benchmarks.runtime_benchmark --target $TARGET --drafter $EAGLE3 \
       --dataset .devdata/question.jsonl --dtype bfloat16 --methods ${METHODS:-tree} --ks ${KS:-1 2 3 4 5 6 7} --temperatures ${TEMPERATURES:-0 1} --hf-temperatures ${HF_TEMPERATURES-1} --hf-num-prompts 8 \
       --out "$OUT/trees_bf16" 2>&1 | grep -v "Loading weights\|it/s\]" | tail -24 | tee -a "$OUT/trees.log"
     ;;
@@ -63,7 +63,7 @@ case "$STAGE" in
     for run in "${runs[@]}"; do
       set -- $run
       name=$1 temperature=$2; shift 2
-      timeout "${RUN_TIMEOUT:-230}" python3 benchmarks/runtime_benchmark.py --target $TARGET --drafter $EAGLE3 \
+      timeout "${RUN_TIMEOUT:-230}" python3 -m benchmarks.runtime_benchmark --target $TARGET --drafter $EAGLE3 \
         --dataset .devdata/question.jsonl --dtype bfloat16 --methods "$@" --ks ${KS:-1 3} \
         --temperatures "$temperature" --hf-temperatures --out "$OUT/$name" 2>&1 \
         | grep -v "Loading weights\|it/s\]" | tail -14 | tee -a "$OUT/extras.log"

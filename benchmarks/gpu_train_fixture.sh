@@ -4,7 +4,7 @@
 #
 #   METHOD=eagle3|mtp|dflash bash benchmarks/gpu_train_fixture.sh [key=value ...]   (e.g. training.max_minutes=6.0)
 #
-# Inputs: `python benchmarks/prepare_fixture_data.py`. Writes into $OUT (default benchmarks/results/local).
+# Inputs: `python -m benchmarks.prepare_fixture_data`. Writes into $OUT (default benchmarks/results/local).
 # On the lent GPU machine files over 16 MiB do not come back from $OUT: the 5-layer DFlash drafter of the fixture
 # is 16.4 MiB in bf16, so evaluate it in the same call (benchmarks/runtime_benchmark.py or draftsmith eval).
 set -euo pipefail

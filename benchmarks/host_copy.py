@@ -2,7 +2,7 @@
 out of pinned memory (what `ShardWriter._land` does per batch), a pinned allocation, and a device-to-host copy of
 one batch of 8B-shaped bf16 states.
 
-    python benchmarks/host_copy.py --out host_copy.json [--gigabytes 0.5]
+    python -m benchmarks.host_copy --out host_copy.json [--gigabytes 0.5]
 """
 
 from __future__ import annotations
@@ -10,19 +10,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from draftsmith import device as dev  # noqa: E402
-from draftsmith.data.store import shard_checksum  # noqa: E402
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from draftsmith import device as dev
+from draftsmith.data.store import shard_checksum
 
 
 def seconds(fn, repeat: int = 3) -> float:
@@ -44,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     n = int(args.gigabytes * 1e9)
     host = torch.randint(0, 255, (n,), dtype=torch.uint8)
     gb = n / 1e9
-    row = {"command": shlex.join(["python", *sys.argv]), "machine": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "torch": torch.__version__, "bytes": n,
-           "torch_threads": torch.get_num_threads()}
+    row = {**run_info(), "bytes": n, "torch_threads": torch.get_num_threads()}
     view = memoryview(host.numpy())
     row["sha256_gb_per_s"] = round(gb / seconds(lambda: hashlib.sha256(view).digest()), 3)
     # the store's shard checksum: sha256 of 64 MiB pieces on the checksum threads, then of their digests
@@ -66,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         row["d2h_pinned_gb_per_s"] = round(gb / seconds(d2h), 3)
     print(json.dumps(row, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(row, indent=1) + "\n")
+    write_json(row, args.out)
     return 0
 
 

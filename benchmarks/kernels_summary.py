@@ -1,28 +1,22 @@
 """gpu_kernels.sh's summary: OUT/gpu_kernels.json from the GPU tests' JUnit XML and train_8b_shape.json, with the
-command, hardware and versions, and FlexAttention against the plain-torch reference at each shape (ratios of runs
-measured side by side in one process).
+run information (`benchmarks.runinfo`, the command being gpu_kernels.sh's) and `nvidia-smi`'s line (OUT/gpu.txt),
+and FlexAttention against the plain-torch reference at each shape (ratios of runs measured side by side in one
+process).
 
-    python benchmarks/kernels_summary.py OUT     (COMMAND in the environment: the command that made OUT)
+    python -m benchmarks.kernels_summary OUT     (COMMAND in the environment: the command that made OUT)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import platform
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-
-def versions() -> dict:
-    found = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers"):
-        try:
-            found[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - absent (triton on a CPU build) or broken: say so, do not fail
-            found[name] = None
-    return found
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 
 
 def test_outcome(path: Path) -> dict:
@@ -84,12 +78,12 @@ def main(out: Path) -> int:
     train = json.loads(train_path.read_text()) if train_path.is_file() else {}
     runs = [{"run": r["run"], "seq": r["seq"], "batch": r["batch"], **{k: r[k] for k in FIGURES if k in r}}
             for r in train.get("runs", [])]
-    summary = {"command": os.environ.get("COMMAND", "bash benchmarks/gpu_kernels.sh"), "hardware": gpu,
-               "versions": versions(), "gpu_tests": test_outcome(out / "gpu_tests.xml"),
+    summary = {**run_info(command=os.environ.get("COMMAND", "bash benchmarks/gpu_kernels.sh")), "gpu": gpu,
+               "gpu_tests": test_outcome(out / "gpu_tests.xml"),
                "train_8b_shape": {"command": train.get("command"), "measured_matmul_tflops":
                                   train.get("measured_matmul_tflops"), "runs": runs},
                "flex_vs_reference": side_by_side(runs), "fused_loss_vs_reference": fused_loss_side_by_side(runs)}
-    (out / "gpu_kernels.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(summary, out / "gpu_kernels.json")
     tests = summary["gpu_tests"]
     print(f"gpu tests: {tests.get('passed')} passed, {tests.get('failed')} failed, {tests.get('skipped')} skipped"
           if "error" not in tests else f"gpu tests: {tests['error']}")
@@ -116,4 +110,6 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="gpu_kernels.sh's output folder (gpu_kernels.json is written there)")
+    sys.exit(main(parser.parse_args().out))

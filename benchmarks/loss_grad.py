@@ -1,7 +1,7 @@
 """The chunked head losses with each chunk's gradient taken in the forward pass (`training.loss_grad: in_forward`)
 against recomputing the chunk in the backward pass (`recompute`), side by side in one run.
 
-    python benchmarks/loss_grad.py --rows 8192 --hidden 384 --draft-vocab 12000 --vocab 16000 --steps 3 \
+    python -m benchmarks.loss_grad --rows 8192 --hidden 384 --draft-vocab 12000 --vocab 16000 --steps 3 \
         --out benchmarks/results/loss_grad_cpu/loss_grad.json
 
 Two losses, each way, each in its own Python process (peak memory is per process): EAGLE-3's TTT loss over its
@@ -14,7 +14,7 @@ With `--train RECIPE` (repeatable) and `--train-args "key=value ..."` it also ru
 each way (one process at a time, a fresh output folder each) and compares the median tokens/s of its steps after
 the first and the per-step losses (the same seed and data: equal within float tolerance), e.g.
 
-    python benchmarks/loss_grad.py --train recipes/eagle3_fixture.yaml --train-args "data.path=... \
+    python -m benchmarks.loss_grad --train recipes/eagle3_fixture.yaml --train-args "data.path=... \
         training.max_steps=12 training.max_minutes=null training.log_every=1"
 """
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import resource
 import shlex
 import statistics
 import subprocess
@@ -34,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.models.checkpoint import write_json_atomic
+from benchmarks.common import child_json, peak_memory, write_json
+from benchmarks.runinfo import run_info
 
 LOSSES = {"eagle3": "EAGLE-3 TTT soft CE, trainable draft head (eagle3.loss.fused_ttt_loss)",
           "dflash": "DFlash CE over the frozen target head (dflash.loss.head_cross_entropy)"}
@@ -83,8 +82,7 @@ def one_run(args) -> dict:
         seconds.append(time.perf_counter() - started)
     return {"loss": args.loss, "mode": args.mode, "what": LOSSES[args.loss], "value": float(loss),
             "seconds_median": round(statistics.median(seconds), 3), "seconds": [round(s, 3) for s in seconds],
-            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-            "peak_device_allocated_gib": round(dev.max_memory_allocated(device) / 2**30, 3)}
+            **peak_memory(device)}
 
 
 def train_run(recipe: str, overrides: list[str], mode: str, out_dir: Path) -> dict:
@@ -119,17 +117,10 @@ def main() -> int:
     if args.loss:
         print(json.dumps(one_run(args)))
         return 0
-    import draftsmith.device as dev
-
     runs = []
     for loss in LOSSES:
-        for mode in MODES:
-            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--loss", loss, "--mode", mode],
-                                   capture_output=True, text=True)
-            if child.returncode != 0:
-                print(child.stderr[-2000:], file=sys.stderr)
-                return child.returncode
-            runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
+        for mode in MODES:  # each in its own process: peak memory is per process
+            runs.append(child_json("loss_grad", *sys.argv[1:], "--loss", loss, "--mode", mode))
             print(json.dumps(runs[-1]), flush=True)
     by = {(r["loss"], r["mode"]): r for r in runs}
     ratios = {loss: {"speedup_in_forward": round(by[loss, "recompute"]["seconds_median"]
@@ -139,9 +130,7 @@ def main() -> int:
                      "same_loss": abs(by[loss, "in_forward"]["value"] - by[loss, "recompute"]["value"])
                      <= 1e-5 * abs(by[loss, "recompute"]["value"])}
               for loss in LOSSES}
-    result = {"command": shlex.join(["python", *sys.argv]), "hardware": dev.device_name(dev.get_device()),
-              "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "versions": {"python": platform.python_version(), "torch": torch.__version__},
+    result = {**run_info(), "threads": torch.get_num_threads(),
               "shape": {"rows": args.rows, "hidden": args.hidden, "draft_vocab": args.draft_vocab,
                         "vocab": args.vocab, "ttt_steps": args.steps, "repeats": args.repeats},
               "runs": runs, "ratios": ratios}
@@ -158,8 +147,7 @@ def main() -> int:
         print(json.dumps({k: v for k, v in result["train"][-1].items() if k != "runs"}), flush=True)
     print(json.dumps(ratios))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(result, args.out)
+        write_json(result, args.out)
     return 0
 
 

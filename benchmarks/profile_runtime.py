@@ -1,7 +1,7 @@
 """Where a speculative step spends its time: target steps, drafter steps, propose/extend, and whole generations,
 timed side by side in one process, plus the torch profiler's top operators for one EAGLE-3 generation.
 
-    python benchmarks/profile_runtime.py --target .fixture/sharegpt-llama-19m --drafter DIR [--out FILE.json]
+    python -m benchmarks.profile_runtime --target .fixture/sharegpt-llama-19m --drafter DIR [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import json
 
 import torch
 
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 from draftsmith import device as dev
 from draftsmith.inference.eval import load_prompts
 from draftsmith.inference.generator import SpeculativeGenerator
@@ -35,7 +37,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompts(args.dataset, tokenizer, limit=4)
     ids = torch.tensor([prompts[0]], device=device)
-    report = {"device": dev.device_name(device), "dtype": args.dtype, "k": args.k, "ms": {}}
+    report = {**run_info(target), "k": args.k, "ms": {}}
     ms = report["ms"]
 
     cache = target.new_cache(1, 2048)
@@ -96,8 +98,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "profile_top"}, indent=1))
     print(table)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(report, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the time of a real `draftsmith train` step goes: the trainer itself (its data, collate, loss, optimizer and
 logging, as a user runs it) under torch.profiler for a few steady steps, after its compilations and time probes.
 
-    python benchmarks/profile_train.py --out OUT/profile_eagle3 recipes/eagle3_fixture.yaml \
+    python -m benchmarks.profile_train --out OUT/profile_eagle3 recipes/eagle3_fixture.yaml \
         data.path=.devdata/sharegpt_train.jsonl data.max_samples=2500 model.draft_vocab_size=8192
 
 Writes into --out: profile.json (the command, hardware, versions; the wall time of every optimizer step; for the
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -29,12 +28,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile, schedule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from draftsmith import device as dev  # noqa: E402
-from draftsmith.config import load_recipe  # noqa: E402
-from draftsmith.models.checkpoint import draftsmith_version, write_json_atomic  # noqa: E402
-from draftsmith.train.trainer import train  # noqa: E402
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from draftsmith import device as dev
+from draftsmith.config import load_recipe
+from draftsmith.train import train
 
 
 def _device_time_us(event) -> float:
@@ -98,9 +96,7 @@ def main(argv=None) -> int:
                     if e.device_type.name in ("CUDA", "PrivateUse1") and not getattr(e, "is_user_annotation", False))
     wall_s = sum(recorded)
     result = {
-        "command": shlex.join(["python", *sys.argv]),
-        "hardware": dev.device_name(device),
-        "versions": {"torch": torch.__version__, "draftsmith": draftsmith_version(), "python": sys.version.split()[0]},
+        **run_info(device=device),
         "recipe": args.recipe, "overrides": args.overrides, "steps": steps, "tf32": args.tf32,
         "cudnn_attention": os.environ.get("DRAFTSMITH_CUDNN_ATTENTION") == "1",
         "step_ms": [round(w * 1000, 2) for w in walls],
@@ -113,7 +109,7 @@ def main(argv=None) -> int:
         "top_device": _rows(events, _device_time_us, 25),
         "top_cpu": _rows(events, lambda e: float(e.self_cpu_time_total), 25),
     }
-    write_json_atomic(result, out / "profile.json")
+    write_json(result, out / "profile.json")
     sort_device = "self_device_time_total" if device.type != "cpu" else "self_cpu_time_total"
     (out / "device.txt").write_text(events.table(sort_by=sort_device, row_limit=40))
     (out / "cpu.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))

@@ -3,7 +3,7 @@ and EAGLE-3 dynamic trees, next to Hugging Face `generate` (plain and prompt-loo
 temperature, on the same prompts; plus the fraction of the ideal speedup tau / (1 + k c) each EAGLE-3 chain
 reaches, with c = (one drafter step) / (one target step) measured here (`draft_step_cost`).
 
-    python benchmarks/runtime_benchmark.py --target .fixture/sharegpt-llama-19m --drafter DRAFTER \
+    python -m benchmarks.runtime_benchmark --target .fixture/sharegpt-llama-19m --drafter DRAFTER \
         --dataset .devdata/question.jsonl --temperatures 0 1 --out benchmarks/results/runtime_h200
 
 Writes runtime.json (command, hardware, versions, every figure) and one PNG per temperature.
@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
 from draftsmith import device as dev
-from draftsmith.inference.eval import format_table, load_prompts, run_info, run_sweep
+from draftsmith.inference.eval import format_table, load_prompts, run_sweep
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.report import dataset_result, write_plots
-from draftsmith.inference.sampling import SamplingParams
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
-from draftsmith.models.checkpoint import write_json_atomic
 from draftsmith.models.target import TargetModel
+from draftsmith.runtime.sampling import SamplingParams
 
 TREES = [(4, 4, 16), (6, 8, 48)]  # (depth, top_k, total nodes): a small and an EAGLE-2-sized tree
 
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     eos = {tokenizer.eos_token_id} | set(target.config.eos_token_id if isinstance(target.config.eos_token_id, list)
                                          else [target.config.eos_token_id] if target.config.eos_token_id is not None
                                          else [])
-    report = {**run_info(target, sys.argv), "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
+    report = {**run_info(target), "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
               "cost_ratio": ({k: draft_cost_ratio(target, args.drafter, prompts[0], k) for k in args.ks}
                              if "chain" in args.methods else {}),
               "runs": {}}
@@ -175,11 +176,11 @@ def main(argv=None) -> int:
                   f"{hf['prompt_lookup_k3']['tokens_per_second']:.1f} tok/s; draftsmith plain there "
                   f"{hf['draftsmith_plain_tokens_per_second']:.1f} tok/s")
             report["runs"][key] = {"hf_generate": hf}
-            write_json_atomic(report, out / "runtime.json")
+            write_json(report, out / "runtime.json")
 
         def save_partial(partial, key=key):  # after every config: a run cut short keeps what it measured
             report["runs"][key] = {**partial, "hf_generate": hf} if hf else partial
-            write_json_atomic(report, out / "runtime.json")
+            write_json(report, out / "runtime.json")
 
         sweep = run_sweep(target, tokenizer, {"mt_bench": prompts}, specs, args.max_new_tokens, sampling=sampling,
                           on_progress=save_partial)
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
                 print(f"eagle3 k={row['num_speculative_tokens']}: c={report['draft_step']['c']:.3f} "
                       f"ideal {row['ideal_speedup']:.2f}x, reached {row['speedup']:.2f}x = "
                       f"{100 * row['fraction_of_ideal']:.0f}% of ideal")
-        write_json_atomic(report, out / "runtime.json")
+        write_json(report, out / "runtime.json")
     print(f"wrote {out / 'runtime.json'}")
     return 0
 

@@ -1,6 +1,6 @@
 """Hidden-state shards written to disk with and without early writeback, side by side in one process.
 
-    python benchmarks/shard_write.py --work /tmp/shards --out shard_write.json
+    python -m benchmarks.shard_write --work /tmp/shards --out shard_write.json
 
 `store.write_shard` (what `draftsmith collect` runs in its writing thread) over synthetic bf16 shards shaped like a
 Llama-3.1-8B collection (3 aux layers + the last, hidden 4096, 512-token samples), each written, fsynced and renamed
@@ -13,20 +13,17 @@ settings and the versions. Disk speeds move from run to run on shared machines: 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import shlex
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from draftsmith.data import store  # noqa: E402
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from draftsmith.data import store
 
 HIDDEN, LAYERS, SAMPLE_TOKENS = 4096, 4, 512  # 3 aux layers + the last, as the 8B shape collects
 
@@ -102,17 +99,14 @@ def main() -> int:
             print(f"{name:10s} run {rep}: {runs[name][-1]:,.0f} MB/s", flush=True)
     medians = {name: statistics.median(v) for name, v in runs.items()}
     report = {
-        "command": shlex.join(["python", *sys.argv]),
-        "machine": platform.processor() or platform.machine(), "kernel": platform.release(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        **run_info(), "kernel": platform.release(),
         "vm": dirty_settings(), "memory_gib": memory_gib(), "work": str(args.work), "bytes_per_run": total,
         "shards_per_run": args.shards,
         "writeback_chunk_bytes": store.WRITEBACK_CHUNK,
         "mb_per_s": runs, "median_mb_per_s": medians,
         "writeback_over_page_cache": round(medians["writeback"] / medians["page_cache"], 3),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(report, args.out)
     print(f"writeback {medians['writeback']:,.0f} MB/s against page cache {medians['page_cache']:,.0f} MB/s: "
           f"{report['writeback_over_page_cache']}x; wrote {args.out}")
     return 0

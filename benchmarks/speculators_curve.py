@@ -6,7 +6,7 @@ optimizer steps listed in SPEC_SAVE_STEPS (comma-separated global steps), and af
 checkpointer does (save_pretrained, bf16) to SAVE_PATH/step_<n>/ and appends {"step", "seconds"} to
 SAVE_PATH/curve.jsonl, seconds counted from the first training step's start (what an equal-time comparison reads).
 
-    SPEC_SAVE_STEPS=100,200,400 python benchmarks/speculators_curve.py --speculator-type eagle3 ... --save-path DIR
+    SPEC_SAVE_STEPS=100,200,400 python -m benchmarks.speculators_curve --speculator-type eagle3 ... --save-path DIR
 """
 
 from __future__ import annotations

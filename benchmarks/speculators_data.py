@@ -26,7 +26,7 @@ stream (hidden + residual), so id L is the last layer's pre-norm output. `specul
 `--target-layer-ids` WITHOUT that appended L. The final hidden state of transformers' `output_hidden_states`
 is after the norm, so it is not used here: forward pre-hooks read the input of each aux layer and of the norm.
 
-    python benchmarks/speculators_data.py --target .fixture/sharegpt-llama-19m \
+    python -m benchmarks.speculators_data --target .fixture/sharegpt-llama-19m \
         --data .devdata/sharegpt_train.jsonl --max-samples 64 --max-length 512 --out /tmp/spec_data
 """
 

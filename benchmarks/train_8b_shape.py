@@ -2,7 +2,7 @@
 tokens/s, peak memory, model FLOPs per token by term and MFU, against the target's forward-only throughput at the
 same batch, all in one process.
 
-    python benchmarks/train_8b_shape.py --out train_8b_shape.json \
+    python -m benchmarks.train_8b_shape --out train_8b_shape.json \
         --runs "eagle3+reference:2048x16 eagle3+flex:2048x16 eagle3+reference:8192x4 eagle3+flex:8192x4 \
                 eagle3:32768x1 dflash:2048x16"
 
@@ -34,24 +34,19 @@ from __future__ import annotations
 import argparse
 import gc
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from draftsmith import device as dev  # noqa: E402
-from draftsmith.config import recipe_from_dict  # noqa: E402
-from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
-from draftsmith.inference.eval import run_info  # noqa: E402
-from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss  # noqa: E402
-from draftsmith.models.target import TargetModel  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import FIXTURE, LLAMA_31_8B, TINY, random_target  # noqa: E402
+from benchmarks.common import write_json
+from benchmarks.runinfo import run_info
+from benchmarks.shapes import FIXTURE, LLAMA_31_8B, TINY, random_target
+from draftsmith import device as dev
+from draftsmith.config import recipe_from_dict
+from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
+from draftsmith.models.target import TargetModel
 
 
 ISSUE_PEAK_TFLOPS = 790.0
@@ -102,7 +97,7 @@ def training_keys(name: str, flags) -> dict:
 
 
 def build_method(name: str, target: TargetModel, args, flags=()):
-    from draftsmith.train.trainer import method_class
+    from draftsmith.train.setup import method_class
 
     recipe = recipe_from_dict({
         "model": {"target": target.name_or_path, "method": name,
@@ -120,12 +115,16 @@ def build_method(name: str, target: TargetModel, args, flags=()):
     d2t = torch.zeros(args.draft_vocab, dtype=torch.long)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[: args.draft_vocab] = True
-    return method, method.build_drafter(d2t, t2d)
+    drafter = method.build_drafter(d2t, t2d)
+    method.apply_training_options(drafter)  # as the trainer does
+    return method, drafter
 
 
 def reference_loss(method, drafter, batch):
     """The EAGLE-3 training step before blocked attention and the fused loss: whole S x S scores and logits."""
-    drafter.ttt_attention = "reference"
+    from draftsmith.models.eagle3.model import PlainTTTKernels
+
+    drafter.ttt_kernels = PlainTTTKernels()  # the plain-torch reference, whole S x S scores
     captured = method.target.capture(batch["input_ids"], batch["attention_mask"], method.aux_layer_ids)
     teacher, in_draft = teacher_targets(captured.last_hidden, method.target.lm_head, drafter.t2d)
     with torch.no_grad():
@@ -143,16 +142,17 @@ def chosen_kernels(method, drafter, dense: bool, seq: int, batch: int, args) -> 
 
     loss_kernel = {"loss_kernel": getattr(method, "loss_kernel", None) or method.loss_options["loss_kernel"]}
     if method.name in ("dflash", "dspark"):
-        return {"block_attention": drafter.attention, **loss_kernel}
+        return {"block_attention": drafter.block_kernels.options.attention, **loss_kernel}
     if method.name != "eagle3":
         return loss_kernel
     if dense:
         return {"ttt_attention": "dense", "query_block": seq, "loss_kernel": "reference",
                 "loss_chunk_rows": None}  # the whole S x S scores, whole-step logits
     config = drafter.config
-    block = (None if drafter.ttt_attention == "flex"
-             else query_block_for(batch, config.num_attention_heads, seq, method.ttt_steps, drafter.query_block))
-    return {"ttt_attention": drafter.ttt_attention, "query_block": block, **loss_kernel,
+    options = drafter.ttt_kernels.options
+    block = (None if options.attention == "flex"
+             else query_block_for(batch, config.num_attention_heads, seq, method.ttt_steps, options.query_block))
+    return {"ttt_attention": options.attention, "query_block": block, **loss_kernel,
             "loss_chunk_rows": loss_chunk_rows(config.draft_vocab_size, method.loss_options["chunk_size"])}
 
 
@@ -248,7 +248,8 @@ def one_run(target, text, args, device, measured_peak) -> dict:
 
         def train_step():
             with autocast:
-                loss, _ = reference_loss(method, drafter, batch) if reference else method.loss(drafter, batch)
+                loss, _ = reference_loss(method, drafter, batch) if reference else method.loss(drafter, batch,
+                                                                                               method.target.capture)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
@@ -331,16 +332,14 @@ def main(argv=None) -> int:
     name = "fixture-shape" if args.fixture_shape else "llama-3.1-8b-shape"
     target = random_target({**shape, "num_hidden_layers": layers}, dtype, device, f"random-{name}-{layers}-layers")
     measured_peak = matmul_tflops(device)
-    report = {**run_info(target, sys.argv), "command": shlex.join(["python", *sys.argv]),
-              "target_shape": {**shape, "num_hidden_layers": layers},
+    report = {**run_info(target), "target_shape": {**shape, "num_hidden_layers": layers},
               "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab, "query_block": args.query_block,
               "loss_chunk_size": args.loss_chunk, "steps": args.steps, "warmup_steps": args.warmup,
               "measured_matmul_tflops": measured_peak, "issue_peak_tflops": ISSUE_PEAK_TFLOPS, "runs": []}
     out = Path(args.out)
 
     def save():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(report, out)
+        write_json(report, out)
 
     for text in args.runs.split():
         report["runs"].append(one_run(target, text, args, device, measured_peak))

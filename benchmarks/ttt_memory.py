@@ -1,7 +1,7 @@
 """Peak memory of one EAGLE-3 TTT training step: the reference path (whole S x S scores, whole-step logits) against
 the blocked attention + fused chunked loss that training now uses, side by side in one run.
 
-    python benchmarks/ttt_memory.py --target ../shared/fixtures/targets/sharegpt-llama-19m \
+    python -m benchmarks.ttt_memory --target ../shared/fixtures/targets/sharegpt-llama-19m \
         --batch 2 --seq 4096 --ttt-steps 7 --draft-vocab 8192 --out benchmarks/results/ttt_memory_cpu/ttt_memory.json
 
 Each path runs in its own Python process (peak resident memory is per process; on a GPU, `max_memory_allocated`),
@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draftsmith.models.checkpoint import write_json_atomic  # noqa: E402
+from benchmarks.common import child_json, peak_memory, write_json
+from benchmarks.runinfo import run_info
 
 PATHS = {"reference": "S x S scores and whole-step logits kept for the backward pass (the earlier training path)",
          "blocked_fused": "blocked TTT attention (recomputed per query block) + fused chunked loss (training now)"}
@@ -65,9 +62,7 @@ def one_step(args) -> dict:
     loss.backward()
     dev.synchronize(device)
     return {"path": args.path, "what": PATHS[args.path], "loss": float(loss), "seconds": round(time.time() - started, 2),
-            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-            "rss_before_step_gib": round(base_rss / 2**20, 3),
-            "peak_device_allocated_gib": round(dev.max_memory_allocated(device) / 2**30, 3)}
+            **peak_memory(device), "rss_before_step_gib": round(base_rss / 2**20, 3)}
 
 
 def main() -> int:
@@ -83,33 +78,19 @@ def main() -> int:
     if args.path:
         print(json.dumps(one_step(args)))
         return 0
-    import transformers
-
-    import draftsmith.device as dev
-
     runs = []
-    for path in PATHS:
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--path", path], capture_output=True,
-                               text=True)
-        if child.returncode != 0:
-            print(child.stderr[-2000:], file=sys.stderr)
-            return child.returncode
-        runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    for path in PATHS:  # each in its own process: peak memory is per process
+        runs.append(child_json("ttt_memory", *sys.argv[1:], "--path", path))
         print(json.dumps(runs[-1]))
     reference, fused = runs
-    result = {"command": shlex.join(["python", *sys.argv]), "hardware": dev.device_name(dev.get_device()),
-              "cpu": platform.processor() or platform.machine(),
-              "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__},
-              "shape": {"batch": args.batch, "seq": args.seq, "ttt_steps": args.ttt_steps,
+    result = {**run_info(), "shape": {"batch": args.batch, "seq": args.seq, "ttt_steps": args.ttt_steps,
                         "draft_vocab": args.draft_vocab, "target": args.target},
               "runs": runs,
               "peak_rss_ratio_fused_over_reference": round(fused["peak_rss_gib"] / reference["peak_rss_gib"], 3),
               "same_loss": abs(fused["loss"] - reference["loss"]) <= 1e-4 * abs(reference["loss"])}
     print(json.dumps({k: result[k] for k in ("peak_rss_ratio_fused_over_reference", "same_loss")}))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(result, args.out)
+        write_json(result, args.out)
     return 0
 
 

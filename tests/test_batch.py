@@ -7,9 +7,9 @@ import torch
 from draftsmith.inference import generator as generator_module
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.ngram import NgramProposer
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.eagle3.proposer import Eagle3Proposer
 from draftsmith.models.target import TargetModel
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal
 from test_tree import OracleTreeProposer
 
 P = PAD_DRAFT_TOKEN

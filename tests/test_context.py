@@ -11,8 +11,8 @@ import torch
 from draftsmith.inference.eval import EvalError, PromptRecord, fit_prompts
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.ngram import NgramProposer
-from draftsmith.inference.proposer import Proposal
 from draftsmith.models.target import TargetError, TargetModel, context_length_of
+from draftsmith.runtime.proposer import Proposal
 
 CONTEXT = 64  # max_position_embeddings of the tiny targets here
 MAX_NEW = 8

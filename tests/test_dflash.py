@@ -167,6 +167,8 @@ def test_training_forward_equals_one_block_at_a_time_and_the_cached_runtime(lear
 
 def test_checkpointed_layers_give_the_same_values_and_gradients():
     """dflash.checkpoint_layers recomputes each layer in the backward pass; nothing it returns may change."""
+    from draftsmith.models.dflash.training import BlockOptions, apply_training_options
+
     drafter = tiny_drafter(tiny_config()).train()
     g = torch.Generator().manual_seed(2)
     aux = torch.randn(2, 12, 3 * H, generator=g)
@@ -175,7 +177,7 @@ def test_checkpointed_layers_give_the_same_values_and_gradients():
     results = []
     for recompute in (False, True):
         drafter.zero_grad()
-        drafter.checkpoint_layers = recompute
+        apply_training_options(drafter, BlockOptions(recompute=recompute))
         out = drafter(aux, anchor_embeds, anchors)
         out.square().sum().backward()
         results.append((out.detach(), {k: p.grad.clone() for k, p in drafter.named_parameters()}))
@@ -366,7 +368,7 @@ def test_batched_generation_equals_each_request_alone(fixture_prompts, accepting
 
 def test_ragged_rows_draft_as_if_alone():
     """extend() pads each row past its own count; every row's block must equal that row's proposer alone."""
-    from draftsmith.inference.proposer import PAD_DRAFT_TOKEN as PAD
+    from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN as PAD
     from draftsmith.models.dflash.proposer import DflashProposer
 
     cfg = tiny_config(learned_mask=False, block_size=5)
@@ -521,8 +523,10 @@ def test_recipe_checkpoint_layers_reaches_the_drafter(tmp_path, fixture_target_d
         recipe = recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": "dflash"},
                                    "dflash": {"num_layers": 1, "checkpoint_layers": on},
                                    "data": {"path": "x.jsonl"}, "output_dir": str(tmp_path)})
-        drafter = DflashMethod(recipe, fixture_target).build_drafter(torch.zeros(0), torch.zeros(0))
-        assert drafter.checkpoint_layers is on
+        method = DflashMethod(recipe, fixture_target)
+        drafter = method.build_drafter(torch.zeros(0), torch.zeros(0))
+        method.apply_training_options(drafter)
+        assert drafter.block_kernels.options.recompute is on
 
 
 # ---- export -----------------------------------------------------------------------------------------------------------

@@ -134,17 +134,17 @@ def test_flex_attention_equals_the_reference_on_the_cpu(b, s, n, bk, heads, kv):
 def test_the_drafter_gives_the_same_blocks_with_either_backend(checkpoint_layers):
     """DflashDrafter.forward with attention "flex" (eager on the CPU, no gradient) gives the reference's hidden
     states, rows anchored differently, padding blocks included."""
+    from draftsmith.models.dflash.training import BlockOptions, apply_training_options
     from test_dflash import H, tiny_config, tiny_drafter
 
-    drafter = tiny_drafter(tiny_config(block_size=4))
-    drafter.checkpoint_layers = checkpoint_layers
+    drafter = apply_training_options(tiny_drafter(tiny_config(block_size=4)), BlockOptions(recompute=checkpoint_layers))
     g = torch.Generator().manual_seed(1)
     anchors = anchor_layout(3, 45, 6, seed=2)
     aux = torch.randn(3, 45, 3 * H, generator=g)
     anchor_embeds = torch.randn(3, 6, H, generator=g)
     with torch.no_grad():
         want = drafter(aux, anchor_embeds, anchors)
-        drafter.attention = "flex"
+        apply_training_options(drafter, BlockOptions(attention="flex", recompute=checkpoint_layers))
         got = drafter(aux, anchor_embeds, anchors)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -164,14 +164,16 @@ def test_the_training_key_reaches_the_drafter(method, fixture_target_dir, monkey
     CPU; flex is refused where it cannot run, reference keeps the reference anywhere; ttt_attention does not
     reach it."""
     from draftsmith.models.target import TargetModel
-    from draftsmith.train.trainer import method_class
+    from draftsmith.train.setup import method_class
 
     target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
     cls = method_class(method)
 
     def drafter_attention(**training):
         m = cls(recipe(fixture_target_dir, method, **training), target)
-        return m.build_drafter(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)).attention
+        drafter = m.build_drafter(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool))
+        m.apply_training_options(drafter)
+        return drafter.block_kernels.options.attention
 
     assert drafter_attention() == drafter_attention(block_attention="auto") == "reference"  # the CPU
     with pytest.raises(ValueError, match="block_attention=flex needs a CUDA or ROCm GPU.*block_attention=auto"):
@@ -187,13 +189,14 @@ def training_step(method_name, target_dir, device, backend, seed=0):
     """(loss, {name: grad}) of one training step, `method_name`'s own loss (target capture, anchors, the drafter,
     the chunked head loss) under bf16 autocast, as training runs it, with the block attention `backend`."""
     from draftsmith.models.target import TargetModel
-    from draftsmith.train.trainer import method_class
+    from draftsmith.models.dflash.training import BlockOptions, apply_training_options
+    from draftsmith.train.setup import method_class
 
     target = TargetModel.from_pretrained(target_dir, dtype="float32", device=device)
     method = method_class(method_name)(recipe(target_dir, method_name), target)
     torch.manual_seed(seed)
     drafter = method.build_drafter(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool))
-    drafter.attention = backend
+    apply_training_options(drafter, BlockOptions(attention=backend))
     b, s = 3, 150
     input_ids = torch.randint(4, target.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))
     loss_mask = loss_masks(b, s, seed)
@@ -204,7 +207,7 @@ def training_step(method_name, target_dir, device, backend, seed=0):
              dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask).items()}
     torch.manual_seed(seed)  # the same anchors for either backend
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-        loss, _ = method.loss(drafter, batch)
+        loss, _ = method.loss(drafter, batch, target.capture)
     loss.backward()
     grads = {name: p.grad for name, p in drafter.named_parameters() if p.grad is not None}
     assert grads, "no gradient reached the drafter"

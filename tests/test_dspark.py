@@ -16,6 +16,7 @@ from draftsmith.inference.spec_config import SpecConfigError, build_proposer, pa
 from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
 from draftsmith.models.dflash.loss import sample_anchors
 from draftsmith.models.dflash.model import init_drafter
+from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.drafter_config import DrafterLoadError
 from draftsmith.models.dspark.config import DsparkDrafterConfig
 from draftsmith.models.dspark.export import check_dspark_export, dspark_export_config, export_dspark
@@ -23,6 +24,7 @@ from draftsmith.models.dspark.io import load_drafter, read_drafter_folder
 from draftsmith.models.dspark.loss import block_targets, dspark_loss, slot_weights
 from draftsmith.models.dspark.model import DsparkDrafter, init_heads
 from draftsmith.models.dspark.proposer import DsparkProposer
+from draftsmith.models.dspark.section import DsparkConfigError
 from draftsmith.models.importer import CheckpointImportError, import_checkpoint
 
 H, V, R = 64, 256, 8
@@ -419,9 +421,28 @@ def test_speculative_config_keys_and_limits(tmp_path):
             return ids
     proposer = build_proposer(spec, Target())
     assert isinstance(proposer, DsparkProposer) and proposer.confidence_threshold == 0.3
-    with pytest.raises(ValueError, match="num_speculative_tokens=5 exceeds what one DSpark block of 4 drafts"):
+    with pytest.raises(DsparkConfigError, match="num_speculative_tokens=5 exceeds what one DSpark block of 4 drafts"):
         build_proposer(parse_spec_config({"method": "dspark", "model": str(ckpt), "num_speculative_tokens": 5},
                                          "cpu"), Target())
+
+
+def test_dspark_settings_fail_as_its_own_error_naming_its_own_keys():
+    """DSpark raises DsparkConfigError, a ValueError (the command line prints it in one line), never DFlash's
+    error, and names dspark.* keys also for the rules its DFlash backbone applies."""
+    target = Qwen3Config(vocab_size=V, hidden_size=H, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, head_dim=16)
+    cases = [(lambda: tiny_config(block_size=1), "dspark.block_size 1: a block needs the anchor"),
+             (lambda: tiny_config(markov_head="rnn"), "dspark.markov_head 'rnn'"),
+             (lambda: DsparkDrafterConfig.from_dict({**tiny_config().to_dict(), "mask_token_id": V}),
+              f"dspark.mask_token_id {V}: outside the target vocabulary"),
+             (lambda: DsparkDrafterConfig.from_target(target, num_features=7, mask_token_id=7),
+              "dspark.num_target_layers=7 distinct layers do not exist"),
+             (lambda: DsparkDrafterConfig.from_dict({**tiny_config().to_dict(), "method": "dflash"}),
+              "DSpark config: method 'dflash'")]
+    for make, message in cases:
+        with pytest.raises(DsparkConfigError, match=message) as err:
+            make()
+        assert isinstance(err.value, ValueError) and not isinstance(err.value, DflashConfigError)
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from draftsmith.config import RecipeError, check_recipe_against_target, recipe_f
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
 from draftsmith.models.dflash.model import init_drafter
-from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.drafter_config import DrafterLoadError
 from draftsmith.models.dspark.config import DsparkDrafterConfig
 from draftsmith.models.dspark.export import (
@@ -30,6 +29,7 @@ from draftsmith.models.dspark.io import load_drafter, read_drafter_folder
 from draftsmith.models.dspark.loss import dspark_loss
 from draftsmith.models.dspark.model import DsparkDrafter, init_heads
 from draftsmith.models.dspark.proposer import DsparkProposer
+from draftsmith.models.dspark.section import DsparkConfigError
 from draftsmith.models.importer import CheckpointImportError, import_checkpoint
 
 VD = 96  # draft ids of the V = 256 target ids
@@ -79,7 +79,7 @@ def test_config_and_drafter_shapes():
     # an old checkpoint's config (no draft_vocab_size key) reads as the whole vocabulary
     old = {k: v for k, v in tiny_config().to_dict().items() if k != "draft_vocab_size"}
     assert DsparkDrafterConfig.from_dict(old).draft_vocab_size is None
-    with pytest.raises(DflashConfigError, match=r"model.draft_vocab_size 300: must be an integer in 1..256"):
+    with pytest.raises(DsparkConfigError, match=r"model.draft_vocab_size 300: must be an integer in 1..256"):
         pruned_config(draft_vocab_size=300)
 
 

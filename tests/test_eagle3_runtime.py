@@ -90,7 +90,7 @@ def test_drafter_that_copies_the_target_is_fully_accepted(tmp_path, fixture_targ
             self.n += token_ids.shape[1]
 
         def propose(self, k):
-            from draftsmith.inference.proposer import Proposal
+            from draftsmith.runtime.proposer import Proposal
 
             drafts = reference[self.n: self.n + k]
             return Proposal(torch.tensor([drafts]), torch.tensor([len(drafts)]))

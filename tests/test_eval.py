@@ -215,7 +215,7 @@ def test_cli_sweep_on_the_fixture(fixture_target_dir, mt_bench_path, tmp_path, c
 
 def test_sampled_eval_reports_temperature_and_skips_the_token_comparison(tiny_llama):
     from draftsmith.inference.eval import format_table, run_eval
-    from draftsmith.inference.sampling import SamplingParams
+    from draftsmith.runtime.sampling import SamplingParams
 
     model, _ = tiny_llama()
     target = TargetModel(model.float().eval())

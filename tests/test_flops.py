@@ -9,9 +9,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.loss import teacher_targets, ttt_loss
+from draftsmith.models.dflash.training import dflash_flops_per_token
 from draftsmith.models.eagle3.model import Eagle3Drafter
+from draftsmith.models.eagle3.training import eagle3_flops_per_token
+from draftsmith.models.flops import target_forward_flops
 from draftsmith.models.target import TargetModel
-from draftsmith.train.flops import describe, dflash_flops_per_token, eagle3_flops_per_token, target_forward_flops
+from draftsmith.train.flops import describe
 
 
 def tiny_target(**overrides):
@@ -60,7 +63,9 @@ def test_eagle3_training_step_count_equals_flop_counter(loss_path):
             logits = drafter.forward_ttt(captured.aux_hidden, embeds, steps, query_block=s)  # no recomputation
             loss, _ = ttt_loss(logits, teacher, in_draft, loss_mask)
         else:
-            drafter.query_block = s
+            from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
+
+            apply_training_options(drafter, TTTOptions(query_block=s))
             loss, _ = drafter(captured.aux_hidden, embeds, steps, loss_targets=dict(
                 teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=16,
                 loss_grad=loss_path))
@@ -143,7 +148,7 @@ def test_mtp_training_step_count_equals_flop_counter():
     from draftsmith.models.mtp.config import MtpDrafterConfig
     from draftsmith.models.mtp.loss import mtp_loss
     from draftsmith.models.mtp.model import MtpDrafter
-    from draftsmith.train.flops import mtp_flops_per_token
+    from draftsmith.models.mtp.training import mtp_flops_per_token
 
     target, config = tiny_target(attn_implementation="eager")
     depths = 3

@@ -396,7 +396,7 @@ def test_the_key_is_checked_and_reaches_every_method(fixture_target_dir):
     """training.loss_kernel: fused with recompute is refused in one line; each method resolves the key once."""
     from draftsmith.config import recipe_from_dict
     from draftsmith.models.target import TargetModel
-    from draftsmith.train.trainer import method_class
+    from draftsmith.train.setup import method_class
 
     def recipe(method, **training):
         return recipe_from_dict({"model": {"target": str(fixture_target_dir), "method": method},

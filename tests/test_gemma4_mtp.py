@@ -151,7 +151,7 @@ def fine_tuned(target: TargetModel, hf, sequences, steps: int, num_steps: int = 
     drafter.train()
     metrics = {}
     for _ in range(steps):
-        loss, metrics = method.loss(drafter, batch)
+        loss, metrics = method.loss(drafter, batch, target.capture)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -163,7 +163,7 @@ def test_training_reads_the_kv_the_runtime_caches():
     target = TargetModel(random_target())
     ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(3))
     _, method, _ = fine_tuned(target, random_assistant(), ids.tolist(), steps=0)
-    _, kv = method.target_states(ids, torch.ones_like(ids))
+    _, kv = method.target_states(target.capture, ids, torch.ones_like(ids))
     cache = target.new_cache(1, 32)
     target.step(ids, cache)
     proposer = Gemma4MtpProposer(Gemma4MtpDrafter(Gemma4MtpConfig.from_assistant(assistant_config().to_dict())),

@@ -8,9 +8,9 @@ import torch
 
 from draftsmith.inference.eval import format_table, load_prompts, run_eval, write_eval_json
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.target import TargetModel
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal
 
 AUX = (1, 3)
 

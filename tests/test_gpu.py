@@ -74,7 +74,7 @@ def test_graphed_sampled_draft_chain_equals_eager_on_gpu(tmp_path, fixture_targe
     from transformers import AutoTokenizer
 
     from draftsmith.inference.eval import load_prompts
-    from draftsmith.inference.sampling import SamplingParams
+    from draftsmith.runtime.sampling import SamplingParams
     from test_graph_paths import _drafter
 
     tokenizer = AutoTokenizer.from_pretrained(fixture_target_dir)
@@ -161,7 +161,9 @@ def test_blocked_ttt_attention_and_fused_loss_equal_the_reference_on_gpu():
         drafter.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if blocked:
-                drafter.query_block = 32
+                from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
+
+                apply_training_options(drafter, TTTOptions(query_block=32))
                 loss, _ = drafter(aux, embeds, 4, loss_targets=dict(
                     teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=50))
             else:

@@ -120,7 +120,7 @@ def test_sampled_draft_chain_graph_equals_the_eager_chain(tmp_path, fixture_targ
     from transformers import AutoTokenizer
 
     from draftsmith.inference.eval import load_prompts
-    from draftsmith.inference.sampling import SamplingParams
+    from draftsmith.runtime.sampling import SamplingParams
 
     target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32", device="cpu")
     folder = _drafter("eagle3", tmp_path / "eagle3", target)

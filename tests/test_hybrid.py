@@ -103,7 +103,7 @@ class FixedDrafter:
         pass
 
     def propose(self, num_tokens):
-        from draftsmith.inference.proposer import Proposal
+        from draftsmith.runtime.proposer import Proposal
 
         return Proposal(torch.full((self.rows, num_tokens), 7), torch.full((self.rows,), num_tokens))
 

@@ -24,7 +24,7 @@ from draftsmith.data.vllm_capture import VllmLayers
 from draftsmith.models.target import TargetModel, load_target_tokenizer
 from draftsmith.train import train
 from draftsmith.train.collect import collect
-from draftsmith.train.trainer import method_class
+from draftsmith.train.setup import method_class
 from test_store import store_recipe
 from test_train import losses
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from draftsmith.inference.metrics import SpecDecodingMetrics
+from draftsmith.runtime.metrics import SpecDecodingMetrics
 
 
 def observed(k, steps):

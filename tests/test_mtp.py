@@ -14,11 +14,12 @@ from draftsmith.config import RecipeError, load_recipe, recipe_from_dict
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
 from draftsmith.models.checkpoint import ExportError, save_safetensors_atomic, write_json_atomic
+from draftsmith.models.losses import shift_left
 from draftsmith.models.mtp.config import MtpDrafterConfig
 from draftsmith.models.mtp.export import export_mtp
 from draftsmith.models.mtp.io import load_mtp_drafter, read_mtp_folder
 from draftsmith.models.mtp.loss import mtp_loss
-from draftsmith.models.mtp.model import MtpDrafter, shift_left
+from draftsmith.models.mtp.model import MtpDrafter
 from draftsmith.models.mtp.native import find_native_mtp
 from draftsmith.models.mtp.proposer import MtpProposer
 from draftsmith.models.mtp.training import MtpMethod
@@ -238,7 +239,7 @@ def test_mtp_reads_the_final_normed_hidden_state_in_training_and_at_runtime(tiny
     layer.fuse = lambda embeds, hidden, fuse=layer.fuse: seen.append(hidden.detach().clone()) or fuse(embeds, hidden)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     with torch.no_grad():
-        method.loss(drafter, batch)
+        method.loss(drafter, batch, method.target.capture)
         torch.testing.assert_close(seen[0], returned)  # training, depth 1
         depth_1 = drafter(tiny_target.embed_tokens(ids), returned, 2)[0]  # (B, S, H) what lm_head reads
     torch.testing.assert_close(seen[1], depth_1)  # training, depth 2
@@ -410,7 +411,7 @@ def test_native_import_and_export_round_trip(tmp_path, layout, family):
     # ... and training runs through it
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    loss, metrics = method.loss(drafter, batch)
+    loss, metrics = method.loss(drafter, batch, method.target.capture)
     loss.backward()
     assert torch.isfinite(loss) and drafter.layers[0].eh_proj.weight.grad is not None and "acc_1" in metrics
 

@@ -78,12 +78,12 @@ def test_two_processes_train_as_one_on_the_same_global_batch(runs):
 
 DIE_AFTER_FIRST_SAVE = """
 import os, sys
-from draftsmith.train import trainer
-real = trainer.save_checkpoint
+from draftsmith.train import loop
+real = loop.save_checkpoint
 def save_then_die(*args, **kwargs):
     real(*args, **kwargs)
     os._exit(17)  # killed right after the step-3 checkpoint landed, on every process
-trainer.save_checkpoint = save_then_die
+loop.save_checkpoint = save_then_die
 from draftsmith.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))
 """

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftsmith.inference.ngram import NgramProposer, ngram_lookup
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposer
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposer
 
 P = PAD_DRAFT_TOKEN
 

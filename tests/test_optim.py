@@ -9,9 +9,10 @@ import torch
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.train import train
-from draftsmith.train import trainer as trainer_mod
+from draftsmith.train import budget as budget_mod
+from draftsmith.train import loop as loop_mod
 from draftsmith.train.optim import build_optimizers, fixed_plan, muon_groups, plan_for_budget, probe_plan, replan
-from draftsmith.train.trainer import epoch_batches
+from draftsmith.train.batching import epoch_batches
 from test_train import tiny_recipe, write_conversations  # shared helpers, same folder
 
 
@@ -84,9 +85,9 @@ class FakeClock:
         return self.now
 
     def timed_loss(self, real_loss):
-        def loss(method, drafter, batch):
+        def loss(method, drafter, batch, features):
             self.now += self.step_seconds if drafter.training else self.eval_batch_seconds
-            return real_loss(method, drafter, batch)
+            return real_loss(method, drafter, batch, features)
 
         return loss
 
@@ -101,7 +102,8 @@ def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fi
     from test_train import tiny_random_target
 
     clock = FakeClock(step_seconds=1.5, eval_batch_seconds=0.5)
-    monkeypatch.setattr(trainer_mod, "time", clock)
+    monkeypatch.setattr(budget_mod, "time", clock)  # the budget's clock, and the evaluations' the loop times
+    monkeypatch.setattr(loop_mod, "time", clock)
     monkeypatch.setattr(Eagle3Method, "loss", clock.timed_loss(Eagle3Method.loss))
     target = tiny_random_target(tmp_path / "target", fixture_target_dir)
     data = write_conversations(tmp_path / "conv.jsonl")
@@ -202,16 +204,16 @@ def test_muon_and_token_budget_training_resumes_exactly(tmp_path, fixture_target
 
     train(tiny_recipe(fixture_target_dir, data, tmp_path / "full", **options), log=lambda *a: None)
     expected = losses(tmp_path / "full" / "run")
-    real_save = trainer_mod.save_checkpoint
+    real_save = loop_mod.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         real_save(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_recipe(fixture_target_dir, data, tmp_path / "cut", **options), log=lambda *a: None)
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
     train(tiny_recipe(fixture_target_dir, data, tmp_path / "cut", **options), log=lambda *a: None)
     resumed = losses(tmp_path / "cut" / "run")
     assert sorted(resumed) == sorted(expected) == [1, 2, 3, 4, 5, 6]

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith.config import RecipeError, recipe_from_dict
 from draftsmith.models.target import TargetModel
 from draftsmith.train.health import FeatureCheck, FiniteWatch
-from draftsmith.train.trainer import collate, collate_packed, epoch_batches
+from draftsmith.train.batching import collate, collate_packed, epoch_batches
 
 LENGTHS = [9, 14, 6, 11]
 
@@ -46,13 +46,14 @@ def eagle3(target, query_block=16):
     t2d = torch.zeros(80, dtype=torch.bool)
     t2d[::2] = True
     drafter = method.build_drafter(t2d.nonzero().flatten() - torch.arange(40), t2d)
+    method.apply_training_options(drafter)  # training.ttt_query_block, as the trainer applies it
     for p in drafter.parameters():
         p.data.add_(0.05 * torch.randn_like(p))
     return method, drafter
 
 
 def loss_and_grads(method, drafter, batch):
-    loss, metrics = method.loss(drafter, batch)
+    loss, metrics = method.loss(drafter, batch, method.target.capture)
     grads = torch.autograd.grad(loss, [p for p in drafter.parameters() if p.requires_grad])
     return loss, metrics, grads
 

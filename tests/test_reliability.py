@@ -246,7 +246,7 @@ def test_a_resume_that_would_change_the_optimizer_or_schedule_is_refused_before_
     state dict contains a parameter group that doesn't match"; other rates, betas or schedules were silently
     replaced by the checkpoint's. The check reads only the checkpoint's recipe and trainer_state.json."""
     from draftsmith.train import TrainingError, train
-    from draftsmith.train import trainer as trainer_mod
+    from draftsmith.train import setup as setup_mod
 
     data = write_conversations(tmp_path / "conv.jsonl")
     train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=1), log=lambda *a: None)
@@ -254,7 +254,7 @@ def test_a_resume_that_would_change_the_optimizer_or_schedule_is_refused_before_
     def no_tokenizer(*args, **kwargs):
         raise AssertionError("the target was loaded before the same-run check")
 
-    monkeypatch.setattr(trainer_mod, "_load_tokenizer", no_tokenizer)
+    monkeypatch.setattr(setup_mod, "load_tokenizer", no_tokenizer)
     for changed, named in [
         ({"optimizer": "muon"}, 'training.optimizer "adamw" there, "muon" now'),
         ({"lr": 2e-3}, "training.lr 0.001 there, 0.002 now"),

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.inference import verify
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
-from draftsmith.inference.sampling import Sampler, SamplingError, SamplingParams, logits_to_probs
-from draftsmith.inference.tree import dynamic_tree, parse_token_tree, static_tree
 from draftsmith.models.target import TargetModel
+from draftsmith.runtime import verify
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.runtime.sampling import Sampler, SamplingError, SamplingParams, logits_to_probs
+from draftsmith.runtime.tree import dynamic_tree, parse_token_tree, static_tree
 
 V = 8
 PROMPT = [1, 2, 3]

@@ -33,9 +33,9 @@ from draftsmith.data.store import (
     shard_layout,
     write_shard,
 )
-from draftsmith.models.eagle3.speculators import load_target_embedding
 from draftsmith.models.mtp.native import NativeMtpError, weight_files
 from draftsmith.models.target import TargetModel
+from draftsmith.models.target_files import load_target_embedding
 from draftsmith.models.targets.base import TargetError
 
 INDEX_FILE = "model.safetensors.index.json"

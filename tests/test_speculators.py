@@ -29,11 +29,11 @@ from draftsmith.models.eagle3.speculators import (
     SPECULATORS_KEY_MAP,
     check_speculators,
     export_speculators,
-    load_target_embedding,
     speculators_config,
     verifier_name,
 )
 from draftsmith.models.export import add_export_args, export_all, run_export
+from draftsmith.models.target_files import load_target_embedding
 
 DRAFT_VOCAB = 32
 SPECULATORS_DIR = Path(os.environ.get("DRAFTSMITH_SPECULATORS_DIR", Path(sys.prefix) / "speculators"))

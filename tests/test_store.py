@@ -199,10 +199,10 @@ def test_two_ranks_write_disjoint_shards_that_merge_into_the_same_store(collecte
     """What `accelerate launch -m draftsmith.collect` does on two processes, run here one rank after the other."""
     from draftsmith.data import prepare_dataset
     from draftsmith.data.store import collect_rank, store_header, write_index
-    from draftsmith.train.trainer import _load_tokenizer
+    from draftsmith.train.setup import load_tokenizer
 
     recipe, reference = collected
-    tokenizer = _load_tokenizer(recipe.model.target)
+    tokenizer = load_tokenizer(recipe.model.target)
     data = prepare_dataset(recipe.data, tokenizer, log=lambda *a: None)
     samples = [*data.train, *data.eval]
     target = TargetModel.from_pretrained(fixture_target_dir, dtype="float32")
@@ -292,19 +292,19 @@ def test_the_hybrid_cache_writes_the_first_epoch_and_later_epochs_read_it(collec
 
 
 def test_a_run_killed_in_the_first_epoch_resumes_its_cache(collected, tmp_path, monkeypatch):
-    from draftsmith.train import trainer as trainer_mod
+    from draftsmith.train import loop as loop_mod
 
-    real_save = trainer_mod.save_checkpoint
+    real_save = loop_mod.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         real_save(*args, **kwargs)
         raise KeyboardInterrupt  # killed right after the step-3 checkpoint, inside the first epoch
 
     recipe = cache_recipe(collected, tmp_path, "hybrid")
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(recipe, log=lambda *a: None)
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
     assert not (tmp_path / "cache" / INDEX).exists() and list((tmp_path / "cache").glob("progress-r0.json"))
     train(recipe, log=lambda *a: None)
     index = json.loads((tmp_path / "cache" / INDEX).read_text())  # write_index refuses a sample twice

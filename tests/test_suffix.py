@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposer
 from draftsmith.inference.spec_config import SpecConfigError, build_proposer, parse_spec_config
 from draftsmith.inference.suffix import SuffixProposer, SuffixTrie
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposer
 
 
 def draft(context, k=8, outputs=(), **options):

@@ -106,7 +106,7 @@ def test_a_drafter_for_another_target_is_refused_with_both_shapes(tiny_llama):
 
 
 def test_grouped_attention_equals_attention_over_repeated_kv_heads():
-    from draftsmith.models.target import attend, grouped_attention
+    from draftsmith.kernels.attention import attend, grouped_attention
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 3, 16)
@@ -127,7 +127,7 @@ def test_static_layer_function_with_merged_projections_equals_module_step(kind):
         want = model(ids).logits
     target = TargetModel(model, compile_layers=True)
     q_proj = model.model.layers[1].self_attn.q_proj
-    merged = target._layer_weights[1][1]
+    merged = target._layer_weights[1].qkv[0][0]
     assert q_proj.weight.data_ptr() == merged.data_ptr() and merged.shape[0] == q_proj.weight.shape[0] + 2 * 2 * 16
     target._compiled_layer = target._layer_step
     cache = target.new_cache(1, 24)

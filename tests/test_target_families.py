@@ -355,7 +355,7 @@ def test_flops_of_moe_targets_count_the_experts_each_token_runs(name):
     only the top-k experts of each token (and the shared ones, and the router), so counting all would not match."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from draftsmith.train.flops import target_forward_flops
+    from draftsmith.models.flops import target_forward_flops
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager",
@@ -372,7 +372,7 @@ def test_flops_of_moe_targets_count_the_experts_each_token_runs(name):
 def test_flops_of_published_moe_shapes_match_their_active_parameters():
     """2 FLOP per active weight: Qwen3-30B-A3B's 3.3B activated parameters (embeddings and head included) and
     gpt-oss-20b's 3.6B active (the head, not the input embedding, counted), against ~30B / ~21B with all experts."""
-    from draftsmith.train.flops import target_forward_flops
+    from draftsmith.models.flops import target_forward_flops
 
     qwen = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftsmith.config import recipe_from_dict
-from draftsmith.train import trainer as trainer_mod
+from draftsmith.train import batching
+from draftsmith.train import loop as loop_mod
 from draftsmith.train import train
 
 REPLIES = [
@@ -55,16 +56,16 @@ def test_resume_continues_exactly(tmp_path, fixture_target_dir, monkeypatch, bat
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
     interrupted = tmp_path / "interrupted"
-    real_save = trainer_mod.save_checkpoint
+    real_save = loop_mod.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         real_save(*args, **kwargs)
         raise KeyboardInterrupt  # killed right after the step-3 checkpoint landed
 
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_recipe(fixture_target_dir, data, interrupted, **batching), log=lambda *a: None)
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
     assert sorted(losses(interrupted / "run")) == [1, 2, 3]
     train(tiny_recipe(fixture_target_dir, data, interrupted, **batching), log=lambda *a: None)
     resumed = losses(interrupted / "run")
@@ -104,7 +105,7 @@ def test_init_from_continues_from_a_checkpoint(tmp_path, fixture_target_dir):
     """model.init_from starts a run from an earlier (or imported) drafter: its weights, not fresh ones."""
     from safetensors.torch import load_file
 
-    from draftsmith.train.trainer import TrainingError
+    from draftsmith.train import TrainingError
 
     data = write_conversations(tmp_path / "conv.jsonl")
     first = train(tiny_recipe(fixture_target_dir, data, tmp_path / "a", max_steps=2), log=lambda *a: None)
@@ -208,7 +209,8 @@ def test_nan_features_stop_the_run_naming_the_step_and_the_sample(tmp_path, fixt
     step 2) and writes no checkpoint."""
     from transformers import AutoTokenizer
 
-    from draftsmith.train.trainer import TrainingError, epoch_batches
+    from draftsmith.train import TrainingError
+    from draftsmith.train.batching import epoch_batches
 
     order = epoch_batches([1] * 20, 2, seed=7, epoch=0, rank=0, world=1)  # 24 records, 4 held out, batches of 2
     poisoned = order[2][1]  # micro-batch 2 opens optimizer step 2 (grad_accum_steps 2)
@@ -241,7 +243,7 @@ def test_nan_features_stop_the_run_naming_the_step_and_the_sample(tmp_path, fixt
 def test_a_target_with_a_nan_weight_is_refused_naming_the_tensor(tmp_path, fixture_target_dir, monkeypatch):
     """A NaN in the target's lm_head leaves its features finite; EAGLE-3 would mask the NaN teacher rows away and
     train on nothing. The weights are checked once at load."""
-    from draftsmith.train.trainer import TrainingError
+    from draftsmith.train import TrainingError
 
     poison_target(monkeypatch, lambda m: m.get_output_embeddings().weight[7, 3].fill_(float("nan")))
     data = write_conversations(tmp_path / "conv.jsonl")
@@ -254,12 +256,12 @@ def test_a_nan_loss_stops_the_run_before_the_first_checkpoint(tmp_path, fixture_
     """The drafter's loss turns NaN at the third micro-batch (step 2); the step-3 log line finds it, names step
     2, and the step-3 checkpoint is never written."""
     from draftsmith.models.eagle3.training import Eagle3Method
-    from draftsmith.train.trainer import TrainingError
+    from draftsmith.train import TrainingError
 
     real_loss, calls = Eagle3Method.loss, []
 
-    def loss(self, drafter, batch):
-        value, metrics = real_loss(self, drafter, batch)
+    def loss(self, drafter, batch, features):
+        value, metrics = real_loss(self, drafter, batch, features)
         calls.append(1)
         return (value * float("nan") if len(calls) == 3 else value), metrics
 
@@ -284,7 +286,7 @@ def test_a_stuck_run_is_warned_about(tmp_path, fixture_target_dir):
 
 # ---- resume: same recipe only, one row per step, the weights stored once (items 10, 14) --------------------------
 def test_a_changed_recipe_is_not_resumed(tmp_path, fixture_target_dir):
-    from draftsmith.train.trainer import TrainingError
+    from draftsmith.train import TrainingError
 
     data = write_conversations(tmp_path / "conv.jsonl")
     train(tiny_recipe(fixture_target_dir, data, tmp_path, max_steps=2), log=lambda *a: None)
@@ -303,17 +305,17 @@ def test_a_changed_recipe_is_not_resumed(tmp_path, fixture_target_dir):
 def test_resume_keeps_one_metrics_row_per_step(tmp_path, fixture_target_dir, monkeypatch):
     """Killed after logging step 4 (the last checkpoint is step 3): the resumed run logs step 4 again, once."""
     data = write_conversations(tmp_path / "conv.jsonl")
-    real_log_row = trainer_mod._log_row
+    real_log_row = loop_mod.log_row
 
     def log_then_die(accelerator, path, row):
         real_log_row(accelerator, path, row)
         if row["step"] == 4 and "loss" in row:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer_mod, "_log_row", log_then_die)
+    monkeypatch.setattr(loop_mod, "log_row", log_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_recipe(fixture_target_dir, data, tmp_path), log=lambda *a: None)
-    monkeypatch.setattr(trainer_mod, "_log_row", real_log_row)
+    monkeypatch.setattr(loop_mod, "log_row", real_log_row)
     train(tiny_recipe(fixture_target_dir, data, tmp_path), log=lambda *a: None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in rows if "loss" in r]
@@ -337,7 +339,8 @@ def test_a_tokenizer_that_does_not_fit_the_target_is_refused_or_warned():
     """Issue 16, item 14: a tokenizer smaller than the target's vocabulary trained silently."""
     import warnings
 
-    from draftsmith.train.trainer import TrainingError, check_tokenizer_fits
+    from draftsmith.train import TrainingError
+    from draftsmith.train.setup import check_tokenizer_fits
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -469,9 +472,9 @@ def test_training_runs_attention_without_cudnn(tmp_path, fixture_target_dir, mon
     seen = []
     real_loss = Eagle3Method.loss
 
-    def loss_noting_the_backends(self, drafter, batch):
+    def loss_noting_the_backends(self, drafter, batch, features):
         seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
-        return real_loss(self, drafter, batch)
+        return real_loss(self, drafter, batch, features)
 
     monkeypatch.setattr(Eagle3Method, "loss", loss_noting_the_backends)
     before = torch.backends.cuda.cudnn_sdp_enabled()
@@ -488,20 +491,20 @@ def test_collate_right_pads_each_sample_in_place():
 
     samples = [TokenizedSample(input_ids=[5, 6, 7], loss_mask=[0, 1, 1]), TokenizedSample(input_ids=[8], loss_mask=[1]),
                TokenizedSample(input_ids=[9, 10, 11, 12], loss_mask=[0, 0, 1, 0])]
-    batch = trainer_mod.collate(samples, pad_id=3, device="cpu")
+    batch = batching.collate(samples, pad_id=3, device="cpu")
     assert batch["input_ids"].tolist() == [[5, 6, 7, 3], [8, 3, 3, 3], [9, 10, 11, 12]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 1, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
     assert all(t.dtype == torch.long for t in batch.values())
-    packed = trainer_mod.collate_packed(samples, "cpu")
+    packed = batching.collate_packed(samples, "cpu")
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert packed["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 0, 1, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
     # training.loss_on all: every real token is under the loss, padding still is not
-    every = trainer_mod.collate(samples, pad_id=3, device="cpu", every_token=True)
+    every = batching.collate(samples, pad_id=3, device="cpu", every_token=True)
     assert every["loss_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
     assert every["input_ids"].tolist() == batch["input_ids"].tolist()
-    assert trainer_mod.collate_packed(samples, "cpu", every_token=True)["loss_mask"].tolist() == [[1] * 8]
+    assert batching.collate_packed(samples, "cpu", every_token=True)["loss_mask"].tolist() == [[1] * 8]
 
 
 def test_feature_noise_is_relative_to_each_aux_layer_and_stays_out_of_the_export(tmp_path, fixture_target_dir):

@@ -6,16 +6,16 @@ import torch
 from torch import nn
 
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
-from draftsmith.inference.sampling import Sampler, SamplingParams
 from draftsmith.inference.spec_config import SpecConfigError, parse_spec_config
-from draftsmith.inference.tree import (TreeError, ancestor_mask, chain_parents, compact_kv, dynamic_tree,
-                                       node_depths, parse_token_tree, static_tree, step_attention_mask)
-from draftsmith.inference.verify import greedy_tree_verify, greedy_verify, sampling_tree_verify
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.eagle3.proposer import Eagle3Proposer
 from draftsmith.models.target import KVCache, TargetModel
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
+from draftsmith.runtime.sampling import Sampler, SamplingParams
+from draftsmith.runtime.tree import (TreeError, ancestor_mask, chain_parents, compact_kv, dynamic_tree,
+                                       node_depths, parse_token_tree, static_tree, step_attention_mask)
+from draftsmith.runtime.verify import greedy_tree_verify, greedy_verify, sampling_tree_verify
 
 P = PAD_DRAFT_TOKEN
 R = ROOT_PARENT

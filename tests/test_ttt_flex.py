@@ -194,7 +194,9 @@ def test_the_training_key_reaches_the_drafter(fixture_target_dir):
     d2t = torch.zeros(method.draft_vocab_size, dtype=torch.long)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[: method.draft_vocab_size] = True
-    assert method.build_drafter(d2t, t2d).ttt_attention == "reference"  # the CPU
+    drafter = method.build_drafter(d2t, t2d)
+    method.apply_training_options(drafter)
+    assert drafter.ttt_kernels.options.attention == "reference"  # the CPU
     with pytest.raises(ValueError, match="ttt_attention=flex needs a CUDA or ROCm GPU"):
         Eagle3Method(recipe("flex"), target)
 
@@ -202,6 +204,7 @@ def test_the_training_key_reaches_the_drafter(fixture_target_dir):
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
 def test_the_drafter_unrolls_the_same_with_either_backend(packed):
     """forward_ttt with ttt_attention "flex" (eager on the CPU, no gradient) gives the reference's step logits."""
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
     from test_ttt_memory import tiny_drafter, ttt_batch
 
     drafter = tiny_drafter(norm_before_fc=True)
@@ -209,7 +212,7 @@ def test_the_drafter_unrolls_the_same_with_either_backend(packed):
     docs = packed_docs(3, 40, seed=1) if packed else None
     with torch.no_grad():
         want = drafter.forward_ttt(aux, embeds, 4, doc_ids=docs)
-        drafter.ttt_attention = "flex"
+        apply_training_options(drafter, TTTOptions(attention="flex"))
         got = drafter.forward_ttt(aux, embeds, 4, doc_ids=docs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -276,6 +279,7 @@ def test_compiled_flex_attention_equals_the_reference_on_gpu(b, h, kv, s, hd, st
 def test_training_with_flex_attention_equals_the_reference_on_gpu(packed, compiles):
     """The fused training forward (TTT 4, loss and every parameter's gradient) under bf16 autocast, as training runs
     it: FlexAttention against the blocked reference, within bf16 tolerance."""
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
     from test_ttt_memory import teacher_targets, tiny_drafter, ttt_batch
 
     drafter = tiny_drafter(norm_before_fc=True, head_dim=16).cuda()  # Triton's products need 16
@@ -286,8 +290,7 @@ def test_training_with_flex_attention_equals_the_reference_on_gpu(packed, compil
     results = {}
     for backend in ("reference", "flex"):
         drafter.zero_grad()
-        drafter.ttt_attention = backend
-        drafter.query_block = 128
+        apply_training_options(drafter, TTTOptions(attention=backend, query_block=128))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss, _ = drafter(aux, embeds, 4, loss_targets=targets, doc_ids=docs)
         loss.backward()
@@ -304,12 +307,14 @@ def test_the_compiled_drafter_trains_as_the_eager_one_on_gpu(compiles):
     """training.compile_drafter (auto on CUDA): the TTT steps' elementwise work compiled by inductor gives the eager
     loss and gradients, with FlexAttention under bf16 autocast as training runs it, at two batch lengths (the
     second is a recompile, as every new length of a training run is)."""
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
     from test_ttt_memory import teacher_targets, tiny_drafter, ttt_batch
 
     eager = tiny_drafter(norm_before_fc=True, head_dim=16).cuda()
     compiled = tiny_drafter(norm_before_fc=True, head_dim=16).cuda()
     compiled.load_state_dict(eager.state_dict())
-    compiled.compile_steps()
+    apply_training_options(eager, TTTOptions(attention="flex"))
+    apply_training_options(compiled, TTTOptions(attention="flex", compile=True))
     for s in (300, 173):
         aux, embeds, last_hidden, head, loss_mask = (x.cuda() for x in ttt_batch(s=s))
         teacher, in_draft = teacher_targets(last_hidden, head, eager.t2d)
@@ -317,7 +322,6 @@ def test_the_compiled_drafter_trains_as_the_eager_one_on_gpu(compiles):
         results = []
         for drafter in (eager, compiled):
             drafter.zero_grad()
-            drafter.ttt_attention = "flex"
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss, _ = drafter(aux, embeds, 4, loss_targets=targets)
             loss.backward()

@@ -131,8 +131,9 @@ def test_fused_loss_equals_the_loss_of_whole_step_logits(kind, mask_outside, chu
 
 
 def test_training_forward_keeps_no_whole_step_logits_and_no_s_by_s_scores():
-    drafter = tiny_drafter()
-    drafter.query_block = 8
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
+
+    drafter = apply_training_options(tiny_drafter(), TTTOptions(query_block=8))
     aux, embeds, last_hidden, head, loss_mask = ttt_batch(s=40)
     teacher, in_draft = teacher_targets(last_hidden, head, drafter.t2d)
     targets = dict(teacher_draft_logits=teacher, teacher_in_draft=in_draft, loss_mask=loss_mask, chunk_size=16)
@@ -155,10 +156,11 @@ def fused_loss_and_grads(drafter, steps=4):
 
 
 def test_checkpointed_ttt_steps_give_the_same_loss_and_gradients_and_keep_less():
-    drafter = tiny_drafter(norm_before_fc=True, norm_output=True)
-    drafter.query_block = 16
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
+
+    drafter = apply_training_options(tiny_drafter(norm_before_fc=True, norm_output=True), TTTOptions(query_block=16))
     plain_loss, plain_grads, plain_saved = fused_loss_and_grads(drafter)
-    drafter.checkpoint_steps = True
+    apply_training_options(drafter, TTTOptions(query_block=16, recompute=True))
     loss, grads, saved = fused_loss_and_grads(drafter)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-7)
     for a, b in zip(grads, plain_grads):
@@ -169,10 +171,12 @@ def test_checkpointed_ttt_steps_give_the_same_loss_and_gradients_and_keep_less()
 
 
 def test_compiled_ttt_steps_give_the_same_loss_and_gradients():
-    drafter = tiny_drafter(norm_before_fc=True, norm_output=True)
-    drafter.query_block = 16
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
+
+    drafter = apply_training_options(tiny_drafter(norm_before_fc=True, norm_output=True), TTTOptions(query_block=16))
     plain_loss, plain_grads, _ = fused_loss_and_grads(drafter, steps=2)
-    drafter.compile_steps(backend="aot_eager")  # the graph capture and autograd; inductor runs on the device
+    # the graph capture and autograd; inductor runs on the device
+    apply_training_options(drafter, TTTOptions(query_block=16, compile=True, compile_backend="aot_eager"))
     loss, grads, _ = fused_loss_and_grads(drafter, steps=2)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, plain_grads):
@@ -243,7 +247,7 @@ def test_mtp_and_dflash_losses_take_chunks_chosen_by_the_heads_size(monkeypatch)
     each chunk's gradient is taken in the forward pass (the frozen head) or recomputed (a head that trains)."""
     import draftsmith.kernels.chunked_loss as chunked_loss
     from draftsmith.models.dflash.loss import head_cross_entropy
-    from draftsmith.models.mtp.loss import soft_ce_positions
+    from draftsmith.models.losses import soft_ce_positions
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(16, 40, bias=False)
@@ -285,7 +289,7 @@ def test_frozen_head_losses_take_the_same_gradient_in_the_forward_pass(soft):
     the values and the gradient of the plain, recomputed path under any weighting of the rows after it (the
     decayed slot weights of DFlash), in chunks that do not divide the rows."""
     from draftsmith.models.dflash.loss import head_cross_entropy
-    from draftsmith.models.mtp.loss import soft_ce_positions
+    from draftsmith.models.losses import soft_ce_positions
 
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(50, 16, generator=g)  # frozen: requires no gradient
@@ -340,7 +344,7 @@ def test_the_loss_chunk_key_reaches_every_method(fixture_target_dir, monkeypatch
                  "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
         for method_cls, name in ((mtp_training.MtpMethod, "mtp"), (dflash_training.DflashMethod, "dflash")):
             method = method_cls(recipe(name), target)
-            method.loss(method.build_drafter(None, None), batch)
+            method.loss(method.build_drafter(None, None), batch, target.capture)
         keys = {"loss_grad": loss_grad, "loss_kernel": "reference"}  # kernels/fused_head_loss: auto on the CPU
         assert seen == {"mtp": (chunk, keys), "dflash": (chunk, keys)}
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN
-from draftsmith.inference.verify import greedy_verify
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN
+from draftsmith.runtime.verify import greedy_verify
 
 V = 10
 P = PAD_DRAFT_TOKEN

@@ -205,13 +205,14 @@ def import_data(recipe, peer_dir: str | Path, layer_ids: Sequence[int] | None = 
         write_index,
     )
     from draftsmith.models.target import TargetModel
-    from draftsmith.train.collect import _tokens_done
-    from draftsmith.train.trainer import _load_tokenizer, method_class, recipe_store_header, target_config_dict
+    from draftsmith.train.collect import tokens_done
+    from draftsmith.train.features import recipe_store_header
+    from draftsmith.train.setup import load_tokenizer, method_class, target_config_dict
 
     if not recipe.data.hidden_states_path:
         raise RecipeError("import-data needs data.hidden_states_path: the folder to write the hidden-state store into")
     folder = Path(recipe.data.hidden_states_path).expanduser()
-    tokenizer = _load_tokenizer(recipe.model.target)
+    tokenizer = load_tokenizer(recipe.model.target)
     check_recipe_against_target(recipe, target_config_dict(recipe.model.target))
     data = prepare_dataset(recipe.data, tokenizer, log=log)
     samples = [*data.train, *data.eval]
@@ -233,7 +234,7 @@ def import_data(recipe, peer_dir: str | Path, layer_ids: Sequence[int] | None = 
     log(f"import-data: {len(samples)} samples, {tokens} tokens from {len({f.path for f in files})} of "
         f"{len(peer.files)} files in {peer.folder} (layer ids {captured}, aux {method.aux_layer_ids} + N) = about "
         f"{human_bytes(tokens * per_token)} of {recipe.collect.dtype} into {folder}")
-    check_disk(folder, (tokens - _tokens_done(folder, 0)) * per_token)
+    check_disk(folder, (tokens - tokens_done(folder, 0)) * per_token)
     capture = PeerCapture(peer.files, captured, layers, target.final_norm, target.hidden_size)
     collect_rank(capture, method.aux_layer_ids, samples, folder, header, max_shard_bytes=recipe.collect.max_shard_bytes,
                  dtype=recipe.collect.dtype, batch_tokens=recipe.collect.batch_tokens, log=log)

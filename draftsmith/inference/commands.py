@@ -44,7 +44,7 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling(args: argparse.Namespace):
     """The SamplingParams of --temperature/--top-k/--top-p/--seed, or None for greedy decoding."""
-    from draftsmith.inference.sampling import SamplingError, SamplingParams
+    from draftsmith.runtime.sampling import SamplingError, SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

@@ -31,7 +31,6 @@ from tqdm.auto import tqdm
 from draftsmith import device as dev
 from draftsmith.data.conversations import iter_prompts
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.spec_config import SpecConfig, SpecConfigError, build_proposer, parse_spec_config
 from draftsmith.models.checkpoint import (
     CONFIG_FILE,
@@ -43,6 +42,7 @@ from draftsmith.models.checkpoint import (
     write_json_atomic,
 )
 from draftsmith.models.target import context_length_of, prompt_overflow
+from draftsmith.runtime.metrics import SpecDecodingMetrics
 
 WARMUP_TOKENS = 8  # each generator first runs one short untimed generation: start-up costs stay out of tok/s
 TRUNCATE_PROMPTS_FLAG = "--truncate-prompts"

@@ -1,8 +1,8 @@
 """Verified speculative generation: propose, verify with one target step, commit, fix the cache, repeat.
 
 Lossless: greedy output equals plain greedy decoding of the target (up to floating-point ties), and sampled
-output is distributed exactly as the target's own sampling (`verify.py`), whatever the proposer drafts, chain or
-tree. With `proposer=None` the same loop is plain decoding, the baseline speedups are measured against.
+output is distributed exactly as the target's own sampling (`runtime/verify.py`), whatever the proposer drafts,
+chain or tree. With `proposer=None` the same loop is plain decoding, the baseline speedups are measured against.
 
 Batches. Requests of different lengths share one target cache with a *shared write pointer and per-row
 validity*: every step writes the same slots for all rows, and a (B, T_max) mask records which slots each row
@@ -18,13 +18,13 @@ does, a step verifies only the drafts after which the row, bonus token included,
 tree loses its deeper nodes). That trim happens only in a request's last steps, when the prompt nearly fills the
 context.
 
-Metrics (vLLM's counters, `metrics.py`), per request, counted as vLLM counts them: every step drafts k tokens, the
-last one of a request too, and accepted drafts past max_new_tokens are counted though never output. A chain step
-counts its drafts as `num_draft_tokens`. A tree step counts every tree node it verified (the nodes within depth k),
-as vLLM does for its static trees, whose `num_speculative_tokens` is the node count; `num_accepted_tokens` is the
-accepted path's length and `num_accepted_tokens_per_pos[i]` counts steps whose path reached depth i+1. So for trees
-the mean acceptance length (1 + accepted / drafts) compares directly with chains, while the draft acceptance rate
-(accepted / draft tokens) is low by construction: most nodes lie off the accepted path.
+Metrics (vLLM's counters, `runtime/metrics.py`), per request, counted as vLLM counts them: every step drafts k
+tokens, the last one of a request too, and accepted drafts past max_new_tokens are counted though never output. A
+chain step counts its drafts as `num_draft_tokens`. A tree step counts every tree node it verified (the nodes within
+depth k), as vLLM does for its static trees, whose `num_speculative_tokens` is the node count; `num_accepted_tokens`
+is the accepted path's length and `num_accepted_tokens_per_pos[i]` counts steps whose path reached depth i+1. So for
+trees the mean acceptance length (1 + accepted / drafts) compares directly with chains, while the draft acceptance
+rate (accepted / draft tokens) is low by construction: most nodes lie off the accepted path.
 
 One departure from vLLM: a k above max_new_tokens drafts max_new_tokens a step (`draft_width`; a tree is that deep
 at most), since no more can ever be output, where vLLM's k would cost a drafter loop and a target step
@@ -42,13 +42,12 @@ import torch
 from torch import Tensor
 
 from draftsmith import device as dev
-from draftsmith.inference.metrics import SpecDecodingMetrics
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal, Proposer
-from draftsmith.inference.sampling import GREEDY, Sampler, SamplingParams
-from draftsmith.inference.tree import ancestor_mask, causal_mask, compact_kv, node_depths, step_attention_mask
-from draftsmith.inference.verify import (greedy_tree_verify, greedy_verify, rejection_verify,
-                                         sampling_tree_verify)
 from draftsmith.models.target import TargetError, check_num_speculative_tokens, context_length_of, prompt_overflow
+from draftsmith.runtime.metrics import SpecDecodingMetrics
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal, Proposer
+from draftsmith.runtime.sampling import GREEDY, Sampler, SamplingParams
+from draftsmith.runtime.tree import ancestor_mask, causal_mask, compact_kv, node_depths, step_attention_mask
+from draftsmith.runtime.verify import greedy_tree_verify, greedy_verify, rejection_verify, sampling_tree_verify
 
 
 @dataclass

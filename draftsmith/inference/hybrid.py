@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import Proposal
 from draftsmith.inference.suffix import SuffixProposer, path_score
+from draftsmith.runtime.proposer import Proposal
 
 
 class SuffixHybridProposer:

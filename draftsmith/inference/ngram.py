@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal
 
 
 def ngram_lookup(context: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.inference.metrics import SpecDecodingMetrics
+from draftsmith.runtime.metrics import SpecDecodingMetrics
 
 
 @torch.no_grad()
@@ -35,7 +35,7 @@ def plain_answers(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     or sampled at `temperature` with seed `seed + i` for prompt i. With `lookahead` (greedy only), also each
     answer followed by the target's next `lookahead` greedy tokens, past an EOS too: (answers, extended)."""
     from draftsmith.inference.generator import SpeculativeGenerator
-    from draftsmith.inference.sampling import SamplingParams
+    from draftsmith.runtime.sampling import SamplingParams
 
     if lookahead and temperature > 0:
         raise ValueError("plain_answers: lookahead is defined for greedy answers only")

@@ -21,9 +21,9 @@ from draftsmith import device as dev
 from draftsmith.inference.hybrid import SuffixHybridProposer
 from draftsmith.inference.ngram import NgramProposer
 from draftsmith.inference.suffix import SUFFIX_DEFAULTS, SuffixProposer
-from draftsmith.inference.tree import TreeError, parse_token_tree
 from draftsmith.models import registry
 from draftsmith.models.spec import resolve
+from draftsmith.runtime.tree import TreeError, parse_token_tree
 
 # The runtime's own proposers, which need no drafter; every drafter method comes from models/registry.py. Each
 # class has `from_config(spec, target) -> Proposer`: adding a method is a spec or a row here, never a branch in the

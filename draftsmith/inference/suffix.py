@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal
 
 # vLLM's suffix_decoding_* defaults (vllm/config/speculative.py); suffix's num_speculative_tokens defaults to the depth.
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,

@@ -13,7 +13,7 @@ Two implementations of that one rule, chosen once per run by kernels/ttt_attenti
 training.block_attention, then built once per training step and shared by every layer (`training_attention`):
 
 * "reference" (NPU and CPU, or where training.block_attention asks for it):
-  `block_attention_mask`, a dense (B, N*B_k, S + N*B_k) boolean mask, into SDPA (models/targets/llama.attend).
+  `block_attention_mask`, a dense (B, N*B_k, S + N*B_k) boolean mask, into SDPA (kernels/attention.attend).
   SDPA computes every score of the mask, seen or not: S + N*B_k keys a query (10,240 at 512 anchors x 16 slots
   over 2,048 tokens).
 * "flex" (CUDA and ROCm, where the default auto takes it): the rule as FlexAttention's `mask_mod`
@@ -30,8 +30,8 @@ import functools
 import torch
 from torch.nn.attention import flex_attention as flex
 
+from draftsmith.kernels.attention import attend
 from draftsmith.kernels.ttt_attention import flex_with_lse
-from draftsmith.models.targets.llama import attend
 
 
 def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:

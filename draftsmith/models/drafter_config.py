@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,20 @@ def one_layer_llama_json(config) -> dict[str, Any]:
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
+
+
+def layer_bias_shapes(config: Mapping[str, Any], attention_names: Sequence[str], mlp_names: Sequence[str], q: int,
+                      kv: int, h: int, i: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The biases of an EAGLE-style draft layer that an exported config asks for, name -> (shape, why): q, k, v, o
+    (`attention_bias`; widths q, kv, kv, h) and gate, up, down (`mlp_bias`; i, i, h), named as the layout does."""
+    shapes = {}
+    if config.get("attention_bias"):
+        for name, width in zip(attention_names, (q, kv, kv, h)):
+            shapes[name] = ((width,), "bias of the matching projection (attention_bias)")
+    if config.get("mlp_bias"):
+        for name, width in zip(mlp_names, (i, i, h)):
+            shapes[name] = ((width,), "bias of the matching projection (mlp_bias)")
+    return shapes
 
 
 def rope_parameters_of(target: PretrainedConfig) -> dict[str, Any]:

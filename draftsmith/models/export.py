@@ -2,7 +2,8 @@
 
 The formats are those the methods' specs declare (models/registry.py); each exporter takes (checkpoint, out_dir,
 overwrite=..., dtype=..., plus the options its format lists), checks the checkpoint's method itself, validates
-before writing, writes all or nothing, and returns an `ExportResult`. `--format all` runs every format of the
+before writing, writes all or nothing, and returns an `ExportResult`: every one is the `write` of the format's
+`FormatExport` (models/export_base.py), which runs that sequence once for all of them. `--format all` runs every format of the
 checkpoint's method, each into `DIR/<format>`, all of them built in a temporary sibling of DIR that is renamed to
 DIR once every format is in. Every folder written holds EXPORT_MARKER, and `--overwrite` replaces only such a folder.
 """

@@ -51,10 +51,12 @@ class Section(BaseModel):
 
 
 class TrainingMethod(Protocol):
-    """What the trainer needs from a method (train/trainer.py drives it; built as `cls(recipe, target)`).
+    """What the trainer needs from a method (train/setup.py builds it as `cls(recipe, target)`, train/loop.py drives
+    it).
 
-    The trainer captures nothing itself: `loss` runs `target.capture` for the layers in `aux_layer_ids` (or reads
-    them from a hidden-state store the trainer plugged into `target.capture`) and returns the micro-batch's loss.
+    The trainer hands the method its features: `loss` reads the target's states for the layers in `aux_layer_ids`
+    through `features` (train/features.py FeatureSource: online capture, a hidden-state store or the first epoch's
+    cache, each checked for NaN and inf), never through the target's own capture, and returns the micro-batch's loss.
     """
 
     config: Any  # the drafter config dataclass, saved as the checkpoint's config.json (`to_dict()`, with "method")
@@ -75,9 +77,17 @@ class TrainingMethod(Protocol):
         """A freshly initialised fp32 drafter on the target's device (d2t / t2d: the draft vocabulary maps)."""
         ...
 
-    def loss(self, drafter: torch.nn.Module, batch: dict[str, torch.Tensor]
+    def apply_training_options(self, drafter: torch.nn.Module) -> None:
+        """The recipe's training options for how the drafter computes in training (attention kernels, recomputation,
+        compilation), applied to a built drafter from outside, once: the trainer calls it after `build_drafter`, and
+        model code knows none of them (torchtitan's parallelize)."""
+        ...
+
+    def loss(self, drafter: torch.nn.Module, batch: dict[str, torch.Tensor], features: Callable[..., Any]
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss, metrics of 0-dim tensors: `loss_i`, `acc_i`, `count_i` per draft position, `sim_accept_len`)."""
+        """(loss, metrics of 0-dim tensors: `loss_i`, `acc_i`, `count_i` per draft position, `sim_accept_len`).
+        `features(input_ids, attention_mask, aux_layer_ids, position_ids=None) -> CapturedStates` gives the
+        target's states of the batch (models/target.py)."""
         ...
 
 
@@ -88,7 +98,9 @@ class ExportFormat:
     name: str  # `draftsmith export --format NAME`
     layout: str  # the layout's name in import.json and push messages ("native-eagle3")
     help: str
-    export: str  # "module:function" (checkpoint, out_dir, *, overwrite, dtype, **options) -> ExportResult
+    # "module:attribute" (checkpoint, out_dir, *, overwrite, dtype, **options) -> ExportResult: the `write` of the
+    # format's FormatExport (models/export_base.py)
+    export: str
     # Does a config.json have this layout? Pure dict checks (import and push call it on any folder).
     detect: Callable[[Mapping[str, Any]], bool] | None = None
     read: str | None = None  # "module:function" (folder, config, target or None) -> ImportedCheckpoint
@@ -125,6 +137,10 @@ class DrafterSpec:
     # Speculative-config keys of the method's own, which vLLM does not serve (`draftsmith eval` never recommends a
     # config using one): name -> its check, value -> the value kept (raises ValueError saying what is wrong)
     runtime_keys: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # The one method whose folder this one extends (DSpark: DFlash's block drafter plus two heads), the only other
+    # method folder its code may import; shared helpers live in models/, not in a method folder
+    # (tests/test_registry.py checks the imports).
+    builds_on: str | None = None
 
     def format(self, name: str) -> ExportFormat | None:
         return next((f for f in self.formats if f.name == name), None)

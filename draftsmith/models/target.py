@@ -21,15 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import device as dev
+from draftsmith.kernels.attention import attend  # noqa: F401 - re-exported: the method models import it from here
 from draftsmith.models.targets import DENSE_MODEL_TYPES, family_for, unsupported_reason
-from draftsmith.models.targets.base import (StepState, TargetError, apply_rope, config_attribute, layer_recorder,
-                                           step_masks)
+from draftsmith.models.targets.base import StepState, TargetError, config_attribute, layer_recorder, step_masks
 from draftsmith.models.targets.generic import TransformersForward
-from draftsmith.models.targets.llama import attend  # noqa: F401 - re-exported (MTP's blocks, tests)
 
 SUPPORTED_STEP_MODEL_TYPES = DENSE_MODEL_TYPES  # the Llama-shaped dense families (their MTP blocks run too)
 COMPILE_ENV = "DRAFTSMITH_COMPILE"  # "1": fuse the graphed step's decoder layers with torch.compile
@@ -339,40 +337,19 @@ class TargetModel:
         return cache
 
     def _compile_layers(self):
-        """One compiled decoder-layer function for every layer (weights are its arguments, so all layers share
-        one compilation per step width), and each layer's weights in the order it takes them.
-
-        The q/k/v and gate/up projections are merged into one matrix each, as serving engines do: a decode step
-        is a chain of matrix-vector products bound by reading weights, and one long read keeps the memory system
-        busier than three short ones (k_proj and v_proj of an 8B model are only 8 MB each). The modules' own
-        weights become views into the merged matrices, so this costs no memory and the module path (eager steps,
-        `generate` of transformers) sees the same numbers. The merge moves the weights: graphs that another
-        TargetModel of the same model recorded before are stale afterwards."""
+        """The dense family's decoder layer of the shape-static step (`LlamaFamily.static_layer`) compiled once for
+        every layer (weights are its arguments, so all layers share one compilation per step width), and each
+        layer's weights in the order it takes them, q/k/v and gate/up merged (`LlamaFamily.merge_weights`: this
+        moves the weights, so graphs that another TargetModel of the same model recorded before are stale)."""
         model_type = getattr(self.config, "model_type", "")
         if model_type not in SUPPORTED_STEP_MODEL_TYPES:
             raise TargetError(f"{COMPILE_ENV}=1 compiles the dense layers of {SUPPORTED_STEP_MODEL_TYPES} targets, "
                               f"not '{model_type}': unset it")
         if getattr(self.config, "hidden_act", "silu") != "silu":
             raise TargetError(f"{COMPILE_ENV}=1 supports SiLU MLPs, not {self.config.hidden_act!r}")
-        first = self.layers[0]
-        eps = first.input_layernorm.variance_epsilon
-        head_dim, num_heads, num_kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
-
-        def layer_step(hidden, cos, sin, mask, slots, keys, values, weights):
-            return decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim,
-                                        num_heads, num_kv_heads)
-
-        self._layer_weights = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
-            self._layer_weights.append((
-                layer.input_layernorm.weight, *_merge_linears(attn.q_proj, attn.k_proj, attn.v_proj),
-                *norms, attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                *_merge_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj.weight, mlp.down_proj.bias,
-            ))
-        self._layer_step = layer_step  # uncompiled: the same math, for tests and debugging
-        return torch.compile(layer_step, fullgraph=True)
+        self._layer_weights = self.family.merge_weights()
+        self._layer_step = self.family.static_layer  # uncompiled: the same math, for tests and debugging
+        return torch.compile(self._layer_step, fullgraph=True)
 
     def _check_step_support(self):
         """Refuse, in one line naming the family, a target the runtime cannot serve exactly; note once that a
@@ -496,72 +473,6 @@ class TargetModel:
             self._compiled_layer = None
             logits, aux = self._graphs.run(key, run, *inputs)
         return logits.clone(), aux.clone() if aux is not None else None
-
-
-def rms_norm(x, weight, eps):
-    """RMSNorm as transformers' Llama/Qwen norms compute it: in float32, then the weight in the input dtype."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def _merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One (weight, bias) whose output is the outputs of `linears` side by side; each module's weight (and bias)
-    is re-pointed at its rows of the merged tensor, so the merge allocates nothing that stays."""
-    weight = torch.cat([m.weight for m in linears])
-    has_bias = [m.bias is not None for m in linears]
-    if any(has_bias) and not all(has_bias):
-        raise TargetError("cannot merge projections of which only some have a bias")
-    bias = torch.cat([m.bias for m in linears]) if all(has_bias) else None
-    row = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
-        row += rows
-    return weight, bias
-
-
-def grouped_attention(q, keys, values, mask, scale):
-    """`attend` for grouped K/V heads without copying K/V once per query head: the queries of each K/V head are
-    stacked (B, kv, groups*T, hd), so keys and values are read once. Softmax in float32. Used by the compiled
-    static step, where the compiler fuses mask, softmax and casts; `mask` (B or 1, 1, T, S), True = may attend."""
-    batch, num_heads, num_new, head_dim = q.shape
-    num_kv = keys.shape[1]
-    q = q.reshape(batch, num_kv, num_heads // num_kv * num_new, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (B, kv, g*T, S)
-    if mask is not None:
-        scores = scores.view(batch, num_kv, -1, num_new, scores.shape[-1])
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf")).flatten(2, 3)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(batch, num_heads, num_new, head_dim)
-
-
-def decoder_layer_static(hidden, cos, sin, mask, slots, keys, values, weights, eps, head_dim, num_heads,
-                         num_kv_heads):
-    """One Llama-family decoder layer of the shape-static step (`_layers_forward` with start None) as a function of
-    tensors only, which torch.compile fuses; the same math as the module path. K/V are written into `keys` /
-    `values` (B, kv, T_max, hd) at `slots`; `weights` as `TargetModel._compile_layers` lists them (q/k/v and
-    gate/up merged)."""
-    (ln1, w_qkv, b_qkv, q_norm, k_norm, wo, bo, ln2, w_gate_up, b_gate_up, wd, bd) = weights
-    batch, num_new, _ = hidden.shape
-    x = rms_norm(hidden, ln1, eps)
-    qkv = F.linear(x, w_qkv, b_qkv).view(batch, num_new, num_heads + 2 * num_kv_heads, head_dim)
-    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=2)
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    keys.index_copy_(2, slots, k)
-    values.index_copy_(2, slots, v)
-    out = grouped_attention(q, keys, values, mask, scale=head_dim ** -0.5)
-    hidden = hidden + F.linear(out.transpose(1, 2).reshape(batch, num_new, -1), wo, bo)
-    x = rms_norm(hidden, ln2, eps)
-    gate, up = F.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, wd, bd)
 
 
 def load_target_tokenizer(target: str, label: str, error: type[ValueError] = ValueError):

@@ -15,14 +15,17 @@ from collections.abc import Callable
 
 import torch
 
+from draftsmith.train.errors import TrainingError
+
 STUCK_WINDOW = 5  # logged steps whose loss does not move make a run "stuck"
 STUCK_RTOL = 1e-6  # "does not move": the window's spread within this fraction of the loss (float32 noise)
 
 
 class FeatureCheck:
-    """Stands in for `target.capture`: the same states, plus `rows_ok`, (B,) bool on the device, True where
-    every feature at a row's real (unpadded) positions is finite. The drafter methods call capture inside their
-    loss, so this is where the trainer sees each batch's features without a second target forward."""
+    """A capture (the target's, a store's or the first epoch's cache: features.py) read through a check: the same
+    states, plus `rows_ok`, (B,) bool on the device, True where every feature at a row's real (unpadded) positions
+    is finite. The drafter methods read their features inside their loss, so this is where the trainer sees each
+    batch's features without a second target forward."""
 
     def __init__(self, capture: Callable):
         self._capture = capture
@@ -48,6 +51,36 @@ class FeatureCheck:
     def take(self) -> torch.Tensor | None:
         rows_ok, self.rows_ok = self.rows_ok, None
         return rows_ok
+
+
+def raise_if_unhealthy(watch: FiniteWatch, accelerator) -> None:
+    """Stop on the first NaN or inf since the last call (`FiniteWatch.first_problem`), on every process at once:
+    called where the loop syncs anyway."""
+    problem = watch.first_problem()
+    if accelerator.num_processes > 1:  # all processes stop together, or the others wait forever in a collective
+        found = accelerator.reduce(torch.tensor([float(problem is not None)], device=accelerator.device), "sum")
+        if problem is None and float(found) > 0:
+            problem = "another process found NaN or inf values (its message names the step and sample)"
+    if problem is not None:
+        raise TrainingError(problem)
+
+
+class Health:
+    """A run's two watches (NaN and inf; not learning) and `check`, which the loop calls where it syncs anyway."""
+
+    def __init__(self, accelerator, describe: Callable[[int], str], rate: str, stop_after: int | None):
+        self.accelerator = accelerator
+        self.finite = FiniteWatch(describe)
+        self.stuck = StuckWatch(rate, stop_after)
+
+    def check(self) -> None:
+        raise_if_unhealthy(self.finite, self.accelerator)
+
+
+def describe_sample(tokenizer, samples, i: int) -> str:
+    """A training sample as a message names it: its index in the training set and its first words."""
+    text = " ".join(tokenizer.decode(samples[i].input_ids[:48], skip_special_tokens=True).split())
+    return f"training sample {i} ({text[:60]!r})"
 
 
 class FiniteWatch:

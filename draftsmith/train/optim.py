@@ -15,6 +15,8 @@ run follows the same schedule.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -53,6 +55,23 @@ def build_optimizers(drafter: torch.nn.Module, cfg) -> list[torch.optim.Optimize
         optimizers.append(torch.optim.AdamW(adamw, lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                             weight_decay=cfg.weight_decay))
     return optimizers
+
+
+def build_schedulers(optimizers, factor: Callable[[int], float]) -> list[torch.optim.lr_scheduler.LambdaLR]:
+    """One LambdaLR per optimizer over `factor(step)` (the time budget's current plan, budget.py). Not registered with
+    accelerate, which would pickle them: a resumed run rebuilds them from its plan (`schedule_at`)."""
+    return [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
+
+
+def schedule_at(schedulers, step: int) -> None:
+    """Put the rebuilt schedulers of a resumed run at `step`: the rate is a pure function of the step and the plan
+    (trainer_state.json), so no scheduler state is saved. step() recomputes each group's rate from its
+    initial_lr, which the loaded optimizer state holds."""
+    for scheduler in schedulers:
+        scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():  # no optimizer step has run in this process yet: torch's order warning
+            warnings.filterwarnings("ignore", message="Detected call of")
+            scheduler.step()
 
 
 @dataclass

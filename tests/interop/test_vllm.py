@@ -19,8 +19,8 @@ import torch
 from vllm_engine import MATRIX, MAX_TOKENS, VllmError, load_problems, run_vllm
 
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.metrics import SpecDecodingMetrics
 from draftsmith.inference.spec_config import build_proposer, parse_spec_config
+from draftsmith.runtime.metrics import SpecDecodingMetrics
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 COUNTED: dict[str, tuple[dict, dict]] = {}  # check()'s name -> (vLLM's counters, draftsmith's), kept on failure too

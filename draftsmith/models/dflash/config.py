@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import LlamaConfig, PretrainedConfig
 
@@ -72,20 +72,23 @@ class DflashDrafterConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     method: str = METHOD
+    # what a bad value raises; a method built on this config (DSpark) names its own, and `method` its recipe section
+    error: ClassVar[type[ValueError]] = DflashConfigError
 
     def __post_init__(self) -> None:
+        key = self.method
         try:
             check_layer_ids(self.target_layer_ids, "target_layer_ids", self.num_target_layers, "output")
         except ValueError as e:
-            raise DflashConfigError(str(e)) from None
+            raise self.error(str(e)) from None
         if self.block_size < 2:
-            raise DflashConfigError(f"dflash.block_size {self.block_size}: a block needs the anchor and >= 1 mask")
+            raise self.error(f"{key}.block_size {self.block_size}: a block needs the anchor and >= 1 mask")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise DflashConfigError(
-                f"dflash.mask_token_id {self.mask_token_id}: outside the target vocabulary 0..{self.vocab_size - 1}"
+            raise self.error(
+                f"{key}.mask_token_id {self.mask_token_id}: outside the target vocabulary 0..{self.vocab_size - 1}"
             )
         if not self.learned_mask and self.mask_token_id is None:
-            raise DflashConfigError("dflash: mask slots need dflash.mask_token_id or a learned mask embedding")
+            raise self.error(f"{key}: mask slots need {key}.mask_token_id or a learned mask embedding")
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -103,10 +106,13 @@ class DflashDrafterConfig:
         mask_token_id: int | None = None,
         learned_mask: bool = False,
         target_name_or_path: str = "",
+        **extra: Any,
     ) -> "DflashDrafterConfig":
-        """Draft layers shaped like the target's decoder layers, in the Qwen3 layout (q/k norm, no biases)."""
+        """Draft layers shaped like the target's decoder layers, in the Qwen3 layout (q/k norm, no biases);
+        `extra`: the fields of a config built on this one (DSpark's heads)."""
         depth = target.num_hidden_layers
-        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(depth, num_features)
+        ids = (list(target_layer_ids) if target_layer_ids is not None
+               else default_target_layer_ids(depth, num_features, cls.method, cls.error))
         heads = target.num_attention_heads
         return cls(
             hidden_size=target.hidden_size,
@@ -125,6 +131,7 @@ class DflashDrafterConfig:
             max_position_embeddings=getattr(target, "max_position_embeddings", 4096),
             rope_parameters=rope_parameters_of(target),
             **target_provenance(target, target_name_or_path),
+            **extra,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +139,7 @@ class DflashDrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DflashDrafterConfig":
-        return config_from_dict(cls, d, "DFlash", METHOD, DflashConfigError)
+        return config_from_dict(cls, d, "DFlash", METHOD, cls.error)
 
     def llama_config(self) -> LlamaConfig:
         """A `LlamaConfig` for the transformers building blocks (RoPE, gated MLP) the draft layers reuse."""

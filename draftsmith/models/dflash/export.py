@@ -18,30 +18,23 @@ reference setup, and what every engine does. A drafter trained with a learned ma
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    ExportError,
-    ExportResult,
-    check_output_dir,
-    check_tensors,
-    config_for_export,
-    draftsmith_version,
-    load_checkpoint,
-    read_card_inputs,
-    resolve_checkpoint,
-    write_export,
-)
+from draftsmith.models.checkpoint import ExportError, check_tensors
 from draftsmith.models.dflash.config import METHOD, DflashConfigError, DflashDrafterConfig
 from draftsmith.models.dflash.model import MASK_EMBEDDING_FILE
 from draftsmith.models.drafter_config import is_int, legacy_rope
-from draftsmith.models.model_card import render_model_card
+from draftsmith.models.export_base import (
+    ExportSource,
+    FormatExport,
+    FormatFiles,
+    key_problems,
+    provenance,
+    vllm_serve,
+)
 
 ARCHITECTURE = "DFlashDraftModel"  # vLLM: qwen3_dflash.DFlashQwen3ForCausalLM; SGLang: models/dflash.py
 MODEL_TYPE = "qwen3"
@@ -87,19 +80,14 @@ def export_config(config: DflashDrafterConfig, step: int | None = None) -> dict[
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
-        "draftsmith": {
-            "version": draftsmith_version(),
-            "method": METHOD,
-            "target": config.target_name_or_path,
-            "target_architectures": list(config.target_architectures),
-            "target_model_type": config.target_model_type,
-            "learned_mask_embedding": config.learned_mask,
-            "layer_ids_note": (
+        "draftsmith": provenance(
+            config, METHOD, step,
+            learned_mask_embedding=config.learned_mask,
+            layer_ids_note=(
                 "dflash_config.target_layer_ids: output of target layer i (vLLM and SGLang capture i + 1); "
                 f"{AUX_IDS_KEY}: the same layers as capture ids (residual stream entering layer i + 1)"
             ),
-            "step": step,
-        },
+        ),
     }
 
 
@@ -165,11 +153,7 @@ def check_block_config(config: dict[str, Any], architecture: str = ARCHITECTURE)
         problems.append(f"config architectures: {config.get('architectures')!r}, expected [{architecture!r}]")
     if config.get("model_type") != MODEL_TYPE:
         problems.append(f"config model_type: {config.get('model_type')!r}, expected {MODEL_TYPE!r}")
-    for key in _REQUIRED_INTS:
-        if key not in config:
-            problems.append(f"config: missing {key}")
-        elif not is_int(config[key]) or config[key] <= 0:
-            problems.append(f"config {key}: {config[key]!r}, expected a positive integer")
+    problems += key_problems(config, _REQUIRED_INTS)
     if is_int(config.get("block_size")) and config["block_size"] < 2:
         problems.append(f"config block_size: {config['block_size']}, expected >= 2 (the anchor and one mask)")
     if config.get("hidden_act") != "silu":
@@ -216,22 +200,28 @@ def check_dflash_export(
         return problems + ["tensors not checked: their shapes follow from the config sizes above"], warnings
     problems += check_tensors(expected_shapes(config), tensors)
     if mask_embedding is not None:
-        if tuple(mask_embedding.shape) != (config["hidden_size"],):
-            problems.append(f"{MASK_EMBEDDING_FILE}: shape {tuple(mask_embedding.shape)}, expected "
-                            f"({config['hidden_size']},) = (hidden_size,)")
-        warnings.append(f"the mask embedding is learned and ships as {MASK_EMBEDDING_FILE}, which vLLM reads; an "
-                        "engine that does not embeds the target's row of mask_token_id instead and accepts less")
+        more_problems, more_warnings = check_mask_embedding(config, mask_embedding)
+        problems += more_problems
+        warnings += more_warnings
     return problems, warnings
+
+
+def check_mask_embedding(config: dict[str, Any], mask_embedding: torch.Tensor) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of a learned mask embedding shipped as MASK_EMBEDDING_FILE."""
+    problems = []
+    if tuple(mask_embedding.shape) != (config["hidden_size"],):
+        problems.append(f"{MASK_EMBEDDING_FILE}: shape {tuple(mask_embedding.shape)}, expected "
+                        f"({config['hidden_size']},) = (hidden_size,)")
+    return problems, [f"the mask embedding is learned and ships as {MASK_EMBEDDING_FILE}, which vLLM reads; an "
+                      "engine that does not embeds the target's row of mask_token_id instead and accepts less"]
 
 
 # ---- export ------------------------------------------------------------------------------------------------
 def dflash_serve_commands(target: str, draft: str, block_size: int) -> dict[str, str]:
     """Commands that serve `target` with this drafter at its full block (k = block_size - 1)."""
-    k = block_size - 1
-    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": k}, separators=(",", ":"))
     t, d = shlex.quote(target), shlex.quote(draft)
     return {
-        "vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}",
+        "vLLM": vllm_serve(target, METHOD, draft, block_size - 1),
         "SGLang": (f"python -m sglang.launch_server --model {t} --speculative-algorithm DFLASH "
                    f"--speculative-draft-model-path {d} --speculative-num-draft-tokens {block_size}"),
     }
@@ -243,40 +233,24 @@ def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, 
                                  config["block_size"])
 
 
-def export_dflash(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-    dtype: torch.dtype | None = torch.bfloat16,
-) -> ExportResult:
-    """Build, validate and write config.json + model.safetensors (+ mask_embedding.pt) + README.md, all or nothing.
-
-    Floating-point weights are written in `dtype` (bf16 by default; engines cast to the target's dtype anyway);
-    None keeps the checkpoint's fp32 master weights."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    cfg = config_for_export(ckpt, raw, DflashDrafterConfig, METHOD, "dflash")
-    notes = read_card_inputs(ckpt)
-    step = notes.step
-
-    config = export_config(cfg, step=step)
-    # draftsmith adopted the engines' names: the key map is the identity
-    tensors = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in state.items()}
+def dflash_files(source: ExportSource) -> FormatFiles:
+    """The `--format dflash` layout of a checkpoint: the engines' config, the weights (draftsmith adopted the
+    engines' names: the key map is the identity), a learned mask embedding as its own file, the card rows."""
+    cfg = source.config
+    config = export_config(cfg, step=source.step)
+    tensors = source.tensors()
     mask_embedding = tensors.pop("mask_embedding", None)
     if cfg.learned_mask and mask_embedding is None:
-        raise ExportError(f"{ckpt}: config says learned_mask but model.safetensors has no mask_embedding")
-    problems, warnings = check_dflash_export(config, tensors, mask_embedding)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as dflash: " + "; ".join(problems))
-
-    warnings += notes.warnings
-    target = cfg.target_name_or_path or "TARGET"
-    commands = dflash_serve_commands(target, str(out_dir), cfg.block_size)
-    ids = config["dflash_config"]["target_layer_ids"]
-    card = render_model_card(
-        target=target,
-        method="DFlash",
-        tags=TAGS,
+        raise ExportError(f"{source.ckpt}: config says learned_mask but model.safetensors has no mask_embedding")
+    extra, warnings = {}, []
+    if mask_embedding is not None:
+        problems, warnings = check_mask_embedding(config, mask_embedding)
+        source.refuse(problems)
+        mask_file = {"mask_token_id": cfg.mask_token_id, "embedding": mask_embedding.clone()}
+        extra[MASK_EMBEDDING_FILE] = lambda path: torch.save(mask_file, path)
+    return FormatFiles(
+        config=config,
+        tensors=tensors,
         summary={
             "architecture": ARCHITECTURE,
             "draft layers": cfg.num_hidden_layers,
@@ -284,21 +258,18 @@ def export_dflash(
             "hidden_size": cfg.hidden_size,
             "mask": (f"learned embedding in {MASK_EMBEDDING_FILE} (read by vLLM), at token id {cfg.mask_token_id}"
                      if cfg.learned_mask else f"the target's embedding of token id {cfg.mask_token_id}"),
-            "training step": step if step is not None else "unknown",
         },
         aux_layer_ids=[
-            ("output of layer i (DFlash: vLLM and SGLang add 1)", "dflash_config.target_layer_ids", ids),
+            ("output of layer i (DFlash: vLLM and SGLang add 1)", "dflash_config.target_layer_ids",
+             config["dflash_config"]["target_layer_ids"]),
             ("capture: residual entering layer k = HF `output_hidden_states[k]`", AUX_IDS_KEY, config[AUX_IDS_KEY]),
         ],
-        serve_commands=commands,
-        recipe_text=notes.recipe_text,
-        eval_result=notes.eval_result,
-        version=config["draftsmith"]["version"],
+        serve_commands=dflash_serve_commands(source.target, source.draft, cfg.block_size),
+        warnings=warnings,
+        extra_files=extra,
     )
 
-    extra = {}
-    if mask_embedding is not None:
-        mask_file = {"mask_token_id": cfg.mask_token_id, "embedding": mask_embedding.clone()}
-        extra[MASK_EMBEDDING_FILE] = lambda path: torch.save(mask_file, path)
-    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands, extra_files=extra)
+
+DFLASH_EXPORT = FormatExport(name="dflash", method=METHOD, config_class=DflashDrafterConfig, title="DFlash",
+                             tags=TAGS, build=dflash_files, check=check_dflash_export)
+export_dflash = DFLASH_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype) -> ExportResult

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from draftsmith.kernels.chunked_loss import LossGrad, row_losses
 from draftsmith.kernels.fused_head_loss import head_loss_rows
-from draftsmith.models.eagle3.loss import simulated_acceptance_length
+from draftsmith.models.losses import simulated_acceptance_length
 
 
 @torch.no_grad()

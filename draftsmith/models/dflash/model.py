@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.kernels.block_attention import block_attention_mask, training_attention  # noqa: F401 - re-exported
@@ -78,7 +77,7 @@ class DflashLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-def _training_layer(layer: DflashLayer, hidden, context, ctx_cos, ctx_sin, cos, sin, attend_blocks):
+def training_layer(layer: DflashLayer, hidden, context, ctx_cos, ctx_sin, cos, sin, attend_blocks):
     """One draft layer over every block of a sequence: context K/V from the fused features, then `attend_blocks`
     (kernels/block_attention.training_attention: each block sees the context before its anchor and itself) over
     [context | all blocks], one fused kernel that keeps no score tensor for the backward pass."""
@@ -91,15 +90,22 @@ def _training_layer(layer: DflashLayer, hidden, context, ctx_cos, ctx_sin, cos, 
     return layer(hidden, cos, sin, attend_all)
 
 
-class DflashDrafter(nn.Module):
-    # dflash.checkpoint_layers: recompute each draft layer in the backward pass. The memory of a training pass is
-    # the layers' activations over N*B_k block tokens per sequence (512 anchors x 16 slots = 4x a 2,048-token
-    # sequence), so this is what lets an 8B-shaped batch of 16 x 2,048 fit.
-    checkpoint_layers = False
-    # training.block_attention, resolved (kernels/ttt_attention.resolve_backend): "flex" (FlexAttention over a block
-    # mask) or "reference" (SDPA over the dense mask), kernels/block_attention.py
-    attention = "reference"
+class PlainBlockKernels:
+    """How `DflashDrafter.forward` (training: all blocks at once) computes unless it is handed another way
+    (`drafter.block_kernels`): SDPA over the dense block mask (kernels/block_attention.py), every layer run eagerly
+    as it is. Training hands in its own from outside (FlexAttention, recomputed layers: dflash/training.py
+    apply_training_options); the model knows none of its options."""
 
+    def attention(self, anchor_positions, context_length: int, block_size: int):
+        """The attention every layer of one training step calls, fn(q, keys, values, scale), its mask built once."""
+        return training_attention("reference", anchor_positions, context_length, block_size)
+
+    def layer(self, *args):
+        """One draft layer over every block (`training_layer`'s arguments)."""
+        return training_layer(*args)
+
+
+class DflashDrafter(nn.Module):
     def __init__(self, config: DflashDrafterConfig):
         super().__init__()
         self.config = config
@@ -111,6 +117,7 @@ class DflashDrafter(nn.Module):
         if config.learned_mask:
             self.mask_embedding = nn.Parameter(torch.zeros(h))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+        self.block_kernels = PlainBlockKernels()  # how forward computes: handed in from outside (not saved)
 
     def rope(self, like, position_ids):
         cos, sin = self.rotary_emb(like, position_ids)  # (B, T, hd)
@@ -149,11 +156,9 @@ class DflashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rope(context, torch.arange(s, device=device).unsqueeze(0).expand(b, -1))
         block_pos = (anchor_positions.unsqueeze(-1) + torch.arange(bk, device=device)).reshape(b, n * bk)
         cos, sin = self.rope(hidden, block_pos)
-        attend_blocks = training_attention(self.attention, anchor_positions, s, bk)  # its mask built once a step
-        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        attend_blocks = self.block_kernels.attention(anchor_positions, s, bk)  # its mask built once a step
         for layer in self.layers:
-            args = (layer, hidden, context, ctx_cos, ctx_sin, cos, sin, attend_blocks)
-            hidden = checkpoint(_training_layer, *args, use_reentrant=False) if recompute else _training_layer(*args)
+            hidden = self.block_kernels.layer(layer, hidden, context, ctx_cos, ctx_sin, cos, sin, attend_blocks)
         return self.norm(hidden).view(b, n, bk, -1)
 
     # ---- runtime: cached context, one block per step -------------------------------------------------------------

@@ -20,17 +20,18 @@ from functools import partial
 import torch
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.dflash.io import load_drafter
 from draftsmith.models.dflash.model import DflashDrafter
 from draftsmith.models.target import KVCache
+from draftsmith.runtime.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
 
 INITIAL_CACHE_LENGTH = 2048
 
 
 class DflashProposer:
     name = "DFlash"
+    error = DflashConfigError  # what a bad speculative config raises (DSpark's proposer names its own)
 
     def __init__(self, drafter: DflashDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module):
         self.drafter = drafter
@@ -62,7 +63,7 @@ class DflashProposer:
     def check_num_tokens(self, k: int) -> None:
         """The method's one limit on k: what a trained block drafts."""
         if k > self.max_drafts:
-            raise DflashConfigError(
+            raise self.error(
                 f"speculative config: num_speculative_tokens={k} exceeds what one {self.name} block of "
                 f"{self.block_size} drafts: use num_speculative_tokens <= {self.max_drafts}"
             )

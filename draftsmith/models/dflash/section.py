@@ -57,9 +57,11 @@ def check_target_layers(section: Any, name: str) -> None:
     section.num_target_layers = len(ids)
 
 
-def default_target_layer_ids(num_target_layers: int, num_features: int, key: str = "dflash") -> list[int]:
+def default_target_layer_ids(num_target_layers: int, num_features: int, key: str = "dflash",
+                             error: type[ValueError] = DflashConfigError) -> list[int]:
     """`num_features` output-of-layer ids spread evenly from layer 1 to L-3, as z-lab's and SGLang's
-    `build_target_layer_ids` do ([1, 9, 17, 25, 33] for 36-layer Qwen3-8B)."""
+    `build_target_layer_ids` do ([1, 9, 17, 25, 33] for 36-layer Qwen3-8B); `key` names the recipe section and
+    `error` is its method's error class."""
     if num_features == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
@@ -68,7 +70,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int, key: str
         last = num_target_layers - 1
         ids = sorted({int(round(i * last / (num_features - 1))) for i in range(num_features)})
     if len(ids) < num_features:
-        raise DflashConfigError(
+        raise error(
             f"{key}.num_target_layers={num_features} distinct layers do not exist in a {num_target_layers}-layer "
             f"target: set {key}.num_target_layers <= {num_target_layers} or list {key}.target_layer_ids"
         )
@@ -79,9 +81,11 @@ def default_loss_gamma(block_size: int) -> float:
     return PAPER_LOSS_GAMMA.get(block_size, block_size / 2)
 
 
-def check_block_recipe(recipe: Any, target: Mapping[str, Any] | None, name: str) -> None:
+def check_block_recipe(recipe: Any, target: Mapping[str, Any] | None, name: str,
+                       error: type[ValueError] = DflashConfigError) -> None:
     """The rules of a block drafter (dflash, dspark) on a recipe: target layers come from `<name>.target_layer_ids`
-    (not model.aux_layer_ids), inside the target, and a mask token inside its vocabulary."""
+    (not model.aux_layer_ids), inside the target, and a mask token inside its vocabulary; `error` is the method's
+    error class."""
     section = getattr(recipe, name)
     if recipe.model.aux_layer_ids is not None:
         raise ValueError(
@@ -98,7 +102,7 @@ def check_block_recipe(recipe: Any, target: Mapping[str, Any] | None, name: str)
         if section.target_layer_ids is not None:
             check_layer_ids(section.target_layer_ids, f"{name}.target_layer_ids", layers, "output")
         else:
-            default_target_layer_ids(layers, section.num_target_layers, name)
+            default_target_layer_ids(layers, section.num_target_layers, name, error)
     if isinstance(vocab, int) and section.mask_token_id is not None and section.mask_token_id >= vocab:
         raise ValueError(f"{name}.mask_token_id {section.mask_token_id}: outside the target vocabulary "
                          f"0..{vocab - 1}")

@@ -23,13 +23,13 @@ i + d2t[i]) and `t2d` as EAGLE-3 has them, and a Markov W2 over the draft ids; W
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
 from draftsmith.models.dflash.config import DflashDrafterConfig
-from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.drafter_config import config_from_dict
+from draftsmith.models.dspark.section import DsparkConfigError
 
 METHOD = "dspark"
 SLOT_CONVENTION = "sample_from_anchor"  # slot k predicts the token after position a + k (module docstring)
@@ -43,20 +43,21 @@ class DsparkDrafterConfig(DflashDrafterConfig):
     confidence_head: bool = True  # a confidence head over [h_k; W1[x_{k-1}]] (confidence_head_with_markov)
     draft_vocab_size: int | None = None  # None: the target's whole vocabulary (module docstring)
     method: str = METHOD
+    error: ClassVar[type[ValueError]] = DsparkConfigError  # what the backbone's checks raise too
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.learned_mask or self.mask_token_id is None:
-            raise DflashConfigError("dspark: mask slots take the target's embedding row of mask_token_id (a learned "
+            raise DsparkConfigError("dspark: mask slots take the target's embedding row of mask_token_id (a learned "
                                     "mask embedding is DFlash's): set dspark.mask_token_id")
+        super().__post_init__()
         if self.markov_head not in MARKOV_HEADS:
-            raise DflashConfigError(f"dspark.markov_head {self.markov_head!r}: one of {', '.join(MARKOV_HEADS)}")
+            raise DsparkConfigError(f"dspark.markov_head {self.markov_head!r}: one of {', '.join(MARKOV_HEADS)}")
         if self.markov_rank < 1:
-            raise DflashConfigError(f"dspark.markov_rank {self.markov_rank}: must be >= 1")
+            raise DsparkConfigError(f"dspark.markov_rank {self.markov_rank}: must be >= 1")
         if self.draft_vocab_size is not None:
             if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
                     or not 0 < self.draft_vocab_size <= self.vocab_size:
-                raise DflashConfigError(f"model.draft_vocab_size {self.draft_vocab_size!r}: must be an integer in "
+                raise DsparkConfigError(f"model.draft_vocab_size {self.draft_vocab_size!r}: must be an integer in "
                                         f"1..{self.vocab_size} (the target's vocabulary), or null for all of it")
             if self.draft_vocab_size == self.vocab_size:
                 self.draft_vocab_size = None  # the whole vocabulary: the target's head, no maps
@@ -76,11 +77,9 @@ class DsparkDrafterConfig(DflashDrafterConfig):
                     confidence_head: bool = True, draft_vocab_size: int | None = None,
                     **backbone: Any) -> "DsparkDrafterConfig":
         """Draft layers shaped like the target's (DflashDrafterConfig.from_target's keywords) plus the heads."""
-        base = DflashDrafterConfig.from_target(target, learned_mask=False, **backbone)
-        fields = {k: v for k, v in base.to_dict().items() if k != "method"}
-        return cls(**fields, markov_rank=markov_rank, markov_head=markov_head, confidence_head=confidence_head,
-                   draft_vocab_size=draft_vocab_size)
+        return super().from_target(target, learned_mask=False, markov_rank=markov_rank, markov_head=markov_head,
+                                   confidence_head=confidence_head, draft_vocab_size=draft_vocab_size, **backbone)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DsparkDrafterConfig":
-        return config_from_dict(cls, d, "DSpark", METHOD, DflashConfigError)
+        return config_from_dict(cls, d, "DSpark", METHOD, DsparkConfigError)

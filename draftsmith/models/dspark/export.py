@@ -25,30 +25,17 @@ draft_vocab_size, lm_head or d2t.
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    ExportResult,
-    ExportError,
-    check_output_dir,
-    check_tensors,
-    config_for_export,
-    load_checkpoint,
-    read_card_inputs,
-    resolve_checkpoint,
-    write_export,
-)
+from draftsmith.models.checkpoint import check_tensors
 from draftsmith.models.dflash.export import AUX_IDS_KEY, check_block_config, expected_shapes, export_config
 from draftsmith.models.drafter_config import is_int
 from draftsmith.models.dspark.config import METHOD, SLOT_CONVENTION, DsparkDrafterConfig
 from draftsmith.models.dspark.io import VOCAB_MAP_DTYPES, check_draft_vocab
-from draftsmith.models.model_card import render_model_card
+from draftsmith.models.export_base import ExportSource, FormatExport, FormatFiles, vllm_serve
 
 ARCHITECTURE = "Qwen3DSparkModel"  # vLLM: qwen3_dspark.Qwen3DSparkForCausalLM; SGLang: models/dspark.py EntryClass
 TAGS = ["speculative-decoding", "dspark", "draftsmith", "vllm", "sglang"]
@@ -163,12 +150,11 @@ def check_dspark_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]
 def dspark_serve_commands(target: str, draft: str, block_size: int, pruned: bool = False) -> dict[str, str]:
     """Commands that serve `target` with this drafter at its full block (k = block_size drafts); a pruned draft
     vocabulary serves in vLLM only."""
-    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": block_size}, separators=(",", ":"))
-    t, d = shlex.quote(target), shlex.quote(draft)
-    commands = {"vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}"}
+    commands = {"vLLM": vllm_serve(target, METHOD, draft, block_size)}
     if not pruned:
-        commands["SGLang"] = (f"python -m sglang.launch_server --model {t} --speculative-algorithm DSPARK "
-                              f"--speculative-draft-model-path {d} --speculative-num-draft-tokens {block_size + 1}")
+        commands["SGLang"] = (f"python -m sglang.launch_server --model {shlex.quote(target)} --speculative-algorithm "
+                              f"DSPARK --speculative-draft-model-path {shlex.quote(draft)} "
+                              f"--speculative-num-draft-tokens {block_size + 1}")
     return commands
 
 
@@ -178,29 +164,14 @@ def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, 
                                  config["block_size"], pruned=pruned_size(config) is not None)
 
 
-def export_dspark(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-                  dtype: torch.dtype | None = torch.bfloat16) -> ExportResult:
-    """Build, validate and write config.json + model.safetensors + README.md, all or nothing; floating-point
-    weights in `dtype` (bf16 by default), None keeps the fp32 master weights."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    cfg = config_for_export(ckpt, raw, DsparkDrafterConfig, METHOD, "dspark")
-    notes = read_card_inputs(ckpt)
-    config = dspark_export_config(cfg, step=notes.step)
-    tensors = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in state.items()
-               if name != "t2d"}  # a pruned vocabulary's t2d: training-only, vLLM skips it
-    problems, warnings = check_dspark_export(config, tensors)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as dspark: " + "; ".join(problems))
-    warnings += notes.warnings
-    target = cfg.target_name_or_path or "TARGET"
-    commands = dspark_serve_commands(target, str(out_dir), cfg.block_size, pruned=cfg.pruned)
-    card = render_model_card(
-        target=target,
-        method="DSpark",
-        tags=[t for t in TAGS if t != "sglang"] if cfg.pruned else TAGS,
+def dspark_files(source: ExportSource) -> FormatFiles:
+    """The `--format dspark` layout of a checkpoint: the engines' config, the weights under their own names (a
+    pruned vocabulary's t2d left out: training-only, vLLM skips it), the card rows."""
+    cfg = source.config
+    config = dspark_export_config(cfg, step=source.step)
+    return FormatFiles(
+        config=config,
+        tensors=source.tensors(drop=("t2d",)),
         summary={
             "architecture": ARCHITECTURE,
             "draft layers": cfg.num_hidden_layers,
@@ -212,16 +183,16 @@ def export_dspark(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, 
             "mask": f"the target's embedding of token id {cfg.mask_token_id}",
             **({"draft vocabulary": f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens (its own lm_head and d2t: "
                                     "vLLM serves it, SGLang does not)"} if cfg.pruned else {}),
-            "training step": notes.step if notes.step is not None else "unknown",
         },
         aux_layer_ids=[
             ("output of layer i (vLLM and SGLang add 1)", "target_layer_ids", config["target_layer_ids"]),
             ("capture: residual entering layer k = HF `output_hidden_states[k]`", AUX_IDS_KEY, config[AUX_IDS_KEY]),
         ],
-        serve_commands=commands,
-        recipe_text=notes.recipe_text,
-        eval_result=notes.eval_result,
-        version=config["draftsmith"]["version"],
+        serve_commands=dspark_serve_commands(source.target, source.draft, cfg.block_size, pruned=cfg.pruned),
+        tags=[t for t in TAGS if t != "sglang"] if cfg.pruned else None,
     )
-    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands)
+
+
+DSPARK_EXPORT = FormatExport(name="dspark", method=METHOD, config_class=DsparkDrafterConfig, title="DSpark",
+                             tags=TAGS, build=dspark_files, check=check_dspark_export)
+export_dspark = DSPARK_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype) -> ExportResult

@@ -31,7 +31,6 @@ from draftsmith.models.checkpoint import (
     size_mismatch,
     weights_file,
 )
-from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.drafter_config import (
     DrafterLoadError,
     load_for_inference,
@@ -40,6 +39,7 @@ from draftsmith.models.drafter_config import (
 )
 from draftsmith.models.dspark.config import MARKOV_HEADS, METHOD, DsparkDrafterConfig
 from draftsmith.models.dspark.model import DsparkDrafter
+from draftsmith.models.dspark.section import DsparkConfigError
 from draftsmith.models.dspark.spec import is_dspark
 from draftsmith.models.spec import output_from_capture
 
@@ -149,7 +149,7 @@ def config_from_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
             markov_rank=rank, markov_head=head, confidence_head=confidence,
             draft_vocab_size=draft_vocab if draft_vocab < vocab else None,
         )
-    except (DflashConfigError, TypeError) as e:
+    except (DsparkConfigError, TypeError) as e:
         raise DrafterLoadError(str(e)) from None
     if not cfg.get("num_target_layers"):
         notes.append(f"num_target_layers missing: assumed {config.num_target_layers} (last target layer id + 4)")
@@ -187,7 +187,7 @@ def read_drafter_folder(path: str | Path) -> tuple[DsparkDrafterConfig, dict[str
     if raw.get("method") == METHOD:
         try:
             config = DsparkDrafterConfig.from_dict(raw)
-        except (DflashConfigError, TypeError) as e:
+        except (DsparkConfigError, TypeError) as e:
             raise DrafterLoadError(f"{config_path}: {e}") from None
         if config.pruned and "d2t" in tensors:
             problems = check_draft_vocab(tensors["d2t"], config.draft_vocab_size, config.vocab_size)

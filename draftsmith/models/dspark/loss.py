@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, row_losses, sharded_by_deepspeed
 from draftsmith.kernels.fused_head_loss import ce_l1_head_loss
-from draftsmith.models.eagle3.loss import simulated_acceptance_length
+from draftsmith.models.losses import simulated_acceptance_length
 
 
 def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN
 from draftsmith.models.dflash.proposer import DflashProposer
-from draftsmith.models.dflash.section import DflashConfigError
 from draftsmith.models.dspark.io import load_drafter
 from draftsmith.models.dspark.model import DsparkDrafter
+from draftsmith.models.dspark.section import DsparkConfigError
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN
 
 
 class DsparkProposer(DflashProposer):
     name = "DSpark"
+    error = DsparkConfigError
 
     def __init__(self, drafter: DsparkDrafter, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module,
                  confidence_threshold: float | None = None):
@@ -37,17 +38,17 @@ class DsparkProposer(DflashProposer):
         super().__init__(drafter, embed_tokens, lm_head if drafter.lm_head is None else drafter.lm_head)
         self.max_drafts = self.block_size  # every slot, the anchor's included, drafts
         if confidence_threshold is not None and drafter.confidence_head is None:
-            raise DflashConfigError("speculative config: confidence_threshold needs the drafter's confidence head, "
+            raise DsparkConfigError("speculative config: confidence_threshold needs the drafter's confidence head, "
                                     "and this drafter was trained without one (dspark.confidence_head false)")
         self.confidence_threshold = confidence_threshold
 
     @classmethod
     def from_config(cls, spec, target) -> "DsparkProposer":
         if not spec.model:
-            raise DflashConfigError("speculative config: method dspark needs \"model\": the drafter folder")
+            raise DsparkConfigError("speculative config: method dspark needs \"model\": the drafter folder")
         drafter = load_drafter(spec.model, device=target.device, dtype=target.dtype)
         cfg = drafter.config
-        target.check_drafter_fits(spec.model, "drafter", cfg.vocab_size, cfg.hidden_size, error=DflashConfigError)
+        target.check_drafter_fits(spec.model, "drafter", cfg.vocab_size, cfg.hidden_size, error=DsparkConfigError)
         target.check_aux_layer_ids(cfg.aux_layer_ids)
         proposer = cls(drafter, target.embed_tokens, target.lm_head, spec.options.get("confidence_threshold"))
         proposer.check_num_tokens(spec.num_speculative_tokens)

@@ -21,6 +21,10 @@ from draftsmith.models.dflash.section import check_block_recipe, check_target_la
 from draftsmith.models.spec import Section
 
 
+class DsparkConfigError(ValueError):
+    """A DSpark setting that cannot work with this target or drafter; the message says which key to change."""
+
+
 class DsparkSection(Section):
     """The `dspark:` section, read only when model.method is dspark."""
 
@@ -60,7 +64,7 @@ class DsparkSection(Section):
 def check_recipe(recipe: Any, target: Mapping[str, Any] | None) -> None:
     """DFlash's block rules, and with the target's config a model.draft_vocab_size inside its vocabulary (null,
     the default, reads out over the whole of it)."""
-    check_block_recipe(recipe, target, "dspark")
+    check_block_recipe(recipe, target, "dspark", DsparkConfigError)
     vocab = target.get("vocab_size") if target else None
     size = recipe.model.draft_vocab_size
     if isinstance(vocab, int) and size is not None and size > vocab:

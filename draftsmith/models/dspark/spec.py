@@ -27,6 +27,7 @@ def _confidence_threshold(value: Any) -> float:
 SPEC = DrafterSpec(
     method="dspark",
     title="DSpark",
+    builds_on="dflash",  # DFlash's block drafter (config, layers, proposer, export config) plus the two heads
     section=DsparkSection,
     training="draftsmith.models.dspark.training:DsparkMethod",
     proposer="draftsmith.models.dspark.proposer:DsparkProposer",

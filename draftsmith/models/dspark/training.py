@@ -5,16 +5,17 @@ from __future__ import annotations
 import torch
 
 from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
-from draftsmith.kernels.ttt_attention import resolve_backend
 from draftsmith.models.dflash.config import spare_token_id
 from draftsmith.models.dflash.loss import sample_anchors
 from draftsmith.models.dflash.model import init_drafter
-from draftsmith.models.dflash.section import DflashConfigError
+from draftsmith.models.dflash.training import BlockOptions, apply_training_options
+from draftsmith.models.dflash.training import dflash_flops_per_token
 from draftsmith.models.dspark.config import DsparkDrafterConfig
 from draftsmith.models.dspark.loss import block_targets, dspark_loss
 from draftsmith.models.dspark.model import DsparkDrafter, init_heads
+from draftsmith.models.dspark.section import DsparkConfigError
+from draftsmith.models.flops import target_head_flops, with_total
 from draftsmith.models.target import TargetModel, load_target_tokenizer
-from draftsmith.train.flops import dflash_flops_per_token
 
 
 def dspark_flops_per_token(target_config, drafter_config, seq_len: int, anchors: int,
@@ -31,10 +32,9 @@ def dspark_flops_per_token(target_config, drafter_config, seq_len: int, anchors:
     if d.pruned:  # DFlash counted its B_k - 1 slots through the target's whole head, not the draft head
         dropped = 2 * d.hidden_size * (d.vocab_size - d.head_size)
         terms["drafter_forward_backward"] -= 2.0 * (slots - extra_slots) * dropped
-    terms["teacher_head"] = 2.0 * target_config.hidden_size * target_config.vocab_size * slots
+    terms["teacher_head"] = target_head_flops(target_config) * slots
     terms["drafter_forward_backward"] += 2.0 * extra_slots * head + 3.0 * slots * markov
-    terms["total"] = sum(v for k, v in terms.items() if k != "total")
-    return terms
+    return with_total(terms)
 
 
 class DsparkMethod:
@@ -46,10 +46,10 @@ class DsparkMethod:
         self.count_mean = None  # unused: the loss is normalised per process (TrainingMethod)
         mask_id = section.mask_token_id
         if mask_id is None:
-            tokenizer = load_target_tokenizer(recipe.model.target, "model.target", DflashConfigError)
+            tokenizer = load_target_tokenizer(recipe.model.target, "model.target", DsparkConfigError)
             mask_id = spare_token_id(tokenizer, target.vocab_size)
             if mask_id is None:
-                raise DflashConfigError(f"{recipe.model.target}: the tokenizer uses every token id and has no "
+                raise DsparkConfigError(f"{recipe.model.target}: the tokenizer uses every token id and has no "
                                         "reserved or pad token to mark mask slots with: set dspark.mask_token_id")
             self.notes = [f"dspark: mask slots take the target's embedding row of spare token id {mask_id} "
                           "(dspark.mask_token_id null)"]
@@ -66,9 +66,7 @@ class DsparkMethod:
         self.draft_vocab_size = self.config.draft_vocab_size
         self.aux_layer_ids = self.config.aux_layer_ids
         self.num_anchors = section.anchors_per_sequence
-        self.checkpoint_layers = section.checkpoint_layers
-        self.attention = resolve_backend(recipe.training.block_attention, target.device, self.config.head_dim,
-                                         key="training.block_attention")
+        self.training_options = BlockOptions.from_recipe(recipe, section, target.device, self.config.head_dim)
         self.loss_options = dict(ce_weight=section.ce_weight, l1_weight=section.l1_weight,
                                  confidence_weight=section.confidence_weight if section.confidence_head else 0.0,
                                  gamma=section.loss_gamma, chunk_size=recipe.training.loss_chunk_size,
@@ -79,7 +77,7 @@ class DsparkMethod:
         self.loss_kernel = "reference"
         if self.config.pruned:
             if recipe.training.loss_kernel == "fused":
-                raise DflashConfigError("training.loss_kernel=fused: DSpark's kernel reads drafts out over the whole "
+                raise DsparkConfigError("training.loss_kernel=fused: DSpark's kernel reads drafts out over the whole "
                                         "vocabulary; with model.draft_vocab_size set use training.loss_kernel="
                                         "reference or auto")
         else:
@@ -87,8 +85,8 @@ class DsparkMethod:
                                                    recipe.training.loss_grad, measured=True)
 
     def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
-        """FLOP per trained token at this length, by term (train/flops.py); blocks anchor only inside the answers,
-        `loss_share` of the positions."""
+        """FLOP per trained token at this length, by term (dspark_flops_per_token); blocks anchor only inside the
+        answers, `loss_share` of the positions."""
         anchors = min(self.num_anchors, max(1, round((seq_len - 1) * loss_share)))
         return dspark_flops_per_token(self.target.config, self.config, seq_len, anchors)
 
@@ -96,8 +94,6 @@ class DsparkMethod:
         """An fp32 drafter (master weights). With the whole vocabulary d2t/t2d are unused (it reads out with the
         target's head); with a pruned one they are the drafter's, its frozen head the target's rows of them."""
         drafter = DsparkDrafter(self.config).to(self.target.device)
-        drafter.checkpoint_layers = self.checkpoint_layers
-        drafter.attention = self.attention
         init_drafter(drafter, self.target.embed_tokens.weight)
         init_heads(drafter)
         if self.config.pruned:
@@ -105,10 +101,15 @@ class DsparkMethod:
                                     self.target.lm_head.weight.float())
         return drafter
 
-    def loss(self, drafter, batch: dict[str, torch.Tensor]):
-        """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
+    def apply_training_options(self, drafter: DsparkDrafter) -> None:
+        """training.block_attention and dspark.checkpoint_layers, on a built drafter (DFlash's)."""
+        apply_training_options(drafter, self.training_options)
+
+    def loss(self, drafter, batch: dict[str, torch.Tensor], features):
+        """batch: input_ids, attention_mask, loss_mask, each (B, S); features: the target's states (the trainer's
+        FeatureSource). Returns (loss, metrics of 0-dim tensors)."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-        captured = self.target.capture(input_ids, batch["attention_mask"], self.aux_layer_ids)
+        captured = features(input_ids, batch["attention_mask"], self.aux_layer_ids)
         anchors, block_valid = sample_anchors(loss_mask, self.num_anchors, anchor_in_mask=True)  # (B, N)
         with torch.no_grad():
             embed = self.target.embed_tokens

@@ -21,29 +21,22 @@ not printed.
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    ExportError,
-    ExportResult,
-    check_output_dir,
-    check_tensors,
-    config_for_export,
-    draftsmith_version,
-    load_checkpoint,
-    read_card_inputs,
-    resolve_checkpoint,
-    write_export,
-)
-from draftsmith.models.drafter_config import is_int, one_layer_llama_json
+from draftsmith.models.checkpoint import check_tensors
+from draftsmith.models.drafter_config import is_int, layer_bias_shapes, one_layer_llama_json
 from draftsmith.models.eagle.config import METHOD, EagleConfig
-from draftsmith.models.model_card import render_model_card
+from draftsmith.models.export_base import (
+    ExportSource,
+    FormatExport,
+    FormatFiles,
+    draftsmith_generate,
+    one_layer_llama_problems,
+    provenance,
+    vllm_serve,
+)
 
 ARCHITECTURE = "LlamaForCausalLM"  # the reference's; vLLM serves it as EagleLlamaForCausalLM under method eagle
 NUM_SPECULATIVE_TOKENS = 3  # what the printed serve commands ask for
@@ -71,17 +64,9 @@ def native_config(config: EagleConfig, step: int | None = None) -> dict[str, Any
         "architectures": [ARCHITECTURE],
         **one_layer_llama_json(config),
         "bias": config.fc_bias,  # the reference's fc bias (missing = true there)
-        "draftsmith": {
-            "version": draftsmith_version(),
-            "method": METHOD,
-            "target": config.target_name_or_path,
-            "target_architectures": list(config.target_architectures),
-            "target_model_type": config.target_model_type,
-            "num_target_layers": config.num_target_layers,
-            "target_max_position_embeddings": config.max_position_embeddings,
-            "hidden_input": HIDDEN_INPUT,
-            "step": step,
-        },
+        "draftsmith": provenance(config, METHOD, step, num_target_layers=config.num_target_layers,
+                                 target_max_position_embeddings=config.max_position_embeddings,
+                                 hidden_input=HIDDEN_INPUT),
     }
 
 
@@ -102,12 +87,7 @@ def expected_native_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int,
     }
     if config.get("bias"):
         shapes["fc.bias"] = ((h,), "(hidden_size,) (\"bias\": true)")
-    if config.get("attention_bias"):
-        for name, width in zip(_ATTENTION_BIAS_NAMES, (q, kv, kv, h)):
-            shapes[name] = ((width,), "bias of the matching projection (attention_bias)")
-    if config.get("mlp_bias"):
-        for name, width in zip(_MLP_BIAS_NAMES, (i, i, h)):
-            shapes[name] = ((width,), "bias of the matching projection (mlp_bias)")
+    shapes.update(layer_bias_shapes(config, _ATTENTION_BIAS_NAMES, _MLP_BIAS_NAMES, q, kv, h, i))
     return shapes
 
 
@@ -119,16 +99,7 @@ def check_native_eagle(config: dict[str, Any], tensors: dict[str, torch.Tensor])
     if config.get("architectures") != [ARCHITECTURE]:
         problems.append(f"config architectures: {config.get('architectures')!r}, expected [{ARCHITECTURE!r}] (vLLM "
                         "prefixes it with Eagle; an Eagle3 or other name loads another model)")
-    if config.get("model_type") != "llama":
-        problems.append(f"config model_type: {config.get('model_type')!r}, expected 'llama'")
-    if config.get("num_hidden_layers") != 1:
-        problems.append(f"config num_hidden_layers: {config.get('num_hidden_layers')!r}, expected 1")
-    for key in _REQUIRED_INTS:
-        if not is_int(config.get(key)) or config[key] <= 0:
-            problems.append(f"config {key}: {config.get(key)!r}, expected a positive integer")
-    for key in ("rms_norm_eps", "hidden_act", "rope_theta"):
-        if key not in config:
-            problems.append(f"config: missing {key}")
+    problems += one_layer_llama_problems(config, _REQUIRED_INTS, ("rms_norm_eps", "hidden_act", "rope_theta"))
     if config.get("tie_word_embeddings") is not False:
         problems.append("config tie_word_embeddings: must be false (the drafter has no head of its own)")
     if not isinstance(config.get("bias"), bool):
@@ -153,11 +124,8 @@ def check_native_eagle(config: dict[str, Any], tensors: dict[str, torch.Tensor])
 
 def eagle_serve_commands(target: str, draft: str, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
                          ) -> dict[str, str]:
-    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": num_speculative_tokens},
-                      separators=(",", ":"))
-    t, s = shlex.quote(target), shlex.quote(spec)
-    return {"vLLM": f"vllm serve {t} --speculative-config {s}",
-            "draftsmith": f"draftsmith generate --target {t} --speculative-config {s} --prompt 'Hello'"}
+    k = num_speculative_tokens
+    return {"vLLM": vllm_serve(target, METHOD, draft, k), "draftsmith": draftsmith_generate(target, METHOD, draft, k)}
 
 
 def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
@@ -165,46 +133,28 @@ def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, 
     return eagle_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft)
 
 
-def export_native_eagle(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-                        dtype: torch.dtype | None = torch.bfloat16) -> ExportResult:
-    """Build, validate and write config.json + model.safetensors + README.md into `out_dir`, all or nothing;
-    floating-point weights in `dtype` (bf16 by default), None keeps the fp32 master weights."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    cfg = config_for_export(ckpt, raw, EagleConfig, METHOD, "native EAGLE")
-    notes = read_card_inputs(ckpt)
-    config = native_config(cfg, step=notes.step)
-    tensors = {NATIVE_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
-               for name, t in state.items()}  # unknown names kept, then refused
-    problems, warnings = check_native_eagle(config, tensors)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as native EAGLE: " + "; ".join(problems))
-    warnings += notes.warnings
-    target = cfg.target_name_or_path or "TARGET"
-    commands = eagle_serve_commands(target, str(out_dir))
-    card = render_model_card(
-        target=target,
-        method="EAGLE",
-        tags=TAGS,
+def native_files(source: ExportSource) -> FormatFiles:
+    """The reference layout of an EAGLE-1 checkpoint: its config, the weights under NATIVE_KEY_MAP, the card rows."""
+    cfg = source.config
+    return FormatFiles(
+        config=native_config(cfg, step=source.step),
+        tensors=source.tensors(NATIVE_KEY_MAP),
         summary={
             "architecture": f"{ARCHITECTURE} (vLLM: EagleLlamaForCausalLM, method eagle)",
             "draft layers": 1,
             "hidden_size": cfg.hidden_size,
             "fc bias": cfg.fc_bias,
             "vocabulary": f"the target's {cfg.vocab_size} tokens, through the target's own head",
-            "training step": notes.step if notes.step is not None else "unknown",
         },
         aux_layer_ids=[(f"{HIDDEN_INPUT}: capture id L, normed; no aux layer", "draftsmith.num_target_layers",
                         [cfg.num_target_layers] if cfg.num_target_layers else [])],
-        serve_commands=commands,
-        recipe_text=notes.recipe_text,
-        eval_result=notes.eval_result,
-        version=config["draftsmith"]["version"],
+        serve_commands=eagle_serve_commands(source.target, source.draft),
     )
-    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands)
+
+
+NATIVE_EXPORT = FormatExport(name="native EAGLE", method=METHOD, config_class=EagleConfig, title="EAGLE", tags=TAGS,
+                             build=native_files, check=check_native_eagle)
+export_native_eagle = NATIVE_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype) -> ExportResult
 
 
 # ---- reading the layout back ---------------------------------------------------------------------------------

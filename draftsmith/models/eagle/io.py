@@ -27,7 +27,7 @@ from draftsmith.models.eagle.export import config_from_native, tensors_from_nati
 from draftsmith.models.eagle.model import EagleDrafter
 from draftsmith.models.eagle.spec import is_native_eagle, is_speculators_eagle
 from draftsmith.models.eagle.speculators import config_from_speculators, from_speculators_name
-from draftsmith.models.eagle3.speculators import load_target_embedding, read_target_config
+from draftsmith.models.target_files import load_target_embedding, read_target_config
 
 
 def read_public(raw: dict[str, Any], tensors: dict[str, torch.Tensor], target_config: dict[str, Any] | None = None

@@ -22,9 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.kernels.chunked_loss import LossGrad
-from draftsmith.models.eagle3.loss import simulated_acceptance_length
-from draftsmith.models.mtp.loss import soft_ce_positions
-from draftsmith.models.mtp.model import shift_left
+from draftsmith.models.losses import shift_left, simulated_acceptance_length, soft_ce_positions
 
 
 def eagle_loss(out_hidden: torch.Tensor, last_hidden: torch.Tensor, loss_mask: torch.Tensor, lm_head: nn.Module, *,

@@ -10,10 +10,10 @@ ids are target ids.
 
 from __future__ import annotations
 
-from draftsmith.inference.tree import parse_token_tree
 from draftsmith.models.eagle.io import load_drafter
 from draftsmith.models.eagle.model import EagleDrafter
 from draftsmith.models.eagle3.proposer import Eagle3Proposer
+from draftsmith.runtime.tree import parse_token_tree
 
 
 class EagleProposer(Eagle3Proposer):

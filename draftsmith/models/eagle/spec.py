@@ -41,6 +41,7 @@ def is_eagle_layout(config: Mapping[str, Any]) -> bool:
 SPEC = DrafterSpec(
     method="eagle",
     title="EAGLE",
+    builds_on="eagle3",  # the runtime loop: EAGLE-3's proposer, unchanged (proposer.py)
     section=EagleSection,
     training="draftsmith.models.eagle.training:EagleMethod",
     proposer="draftsmith.models.eagle.proposer:EagleProposer",

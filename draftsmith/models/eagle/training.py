@@ -6,11 +6,31 @@ from __future__ import annotations
 import torch
 
 from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
+from draftsmith.models.flops import target_forward_flops, with_total
 from draftsmith.models.eagle.config import EagleConfig
 from draftsmith.models.eagle.loss import eagle_loss
 from draftsmith.models.eagle.model import EagleDrafter
 from draftsmith.models.target import TargetModel
-from draftsmith.train.flops import mtp_flops_per_token
+
+
+def eagle_flops_per_token(target_config, seq_len: int, attention: str = "causal",
+                          loss_share: float = 1.0) -> dict[str, float]:
+    """FLOP per trained token of online EAGLE-1 training, by term (models/flops.py), and their total (one MTP
+    depth's count, which is EAGLE-1's):
+
+        target_forward   every decoder layer of the target
+        teacher_head     the target's head at the `loss_share` of positions under the loss
+        drafter          fc (2H -> H) and one decoder layer of the target's shape, forward and backward; the frozen
+                         head at the rows under the loss whose x_{t+2} exists, forward and input gradient (the
+                         smooth-L1 term is elementwise)
+    """
+    h, v = target_config.hidden_size, target_config.vocab_size
+    layer = target_forward_flops(target_config, seq_len, attention) / target_config.num_hidden_layers
+    fc = 2 * 2 * h * h
+    heads = loss_share * max(0, seq_len - 2) / seq_len  # head rows a token
+    return with_total({"target_forward": target_forward_flops(target_config, seq_len, attention),
+                       "teacher_head": loss_share * 2.0 * h * v,
+                       "drafter_forward_backward": 3.0 * (fc + layer) + 2.0 * heads * 2 * h * v})
 
 
 class EagleMethod:
@@ -38,19 +58,21 @@ class EagleMethod:
                       + (f", hidden states read with uniform noise of width {self.noise:g}" if self.noise else "")]
 
     def flops_per_token(self, seq_len: int, loss_share: float = 1.0) -> dict[str, float]:
-        """FLOP per trained token (train/flops.py): one MTP depth's count, which is EAGLE-1's (fc 2H -> H, one
-        decoder layer of the target's shape, the frozen head and its teacher at the rows under the loss, whose
-        x_{t+2} exists); the smooth-L1 term is elementwise."""
-        return mtp_flops_per_token(self.target.config, 1, seq_len, loss_share=loss_share)
+        """FLOP per trained token at this sequence length, by term (eagle_flops_per_token), for the MFU log."""
+        return eagle_flops_per_token(self.target.config, seq_len, loss_share=loss_share)
 
     def build_drafter(self, d2t: torch.Tensor, t2d: torch.Tensor) -> EagleDrafter:
         """An fp32 drafter on the target's device, PyTorch's default initialisation (as the reference's). d2t / t2d
         are unused: EAGLE-1 reads out with the target's whole head."""
         return EagleDrafter(self.config).to(self.target.device)
 
-    def loss(self, drafter, batch: dict[str, torch.Tensor]):
-        """batch: input_ids, attention_mask, loss_mask, each (B, S). Returns (loss, metrics of 0-dim tensors)."""
-        captured = self.target.capture(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
+    def apply_training_options(self, drafter: EagleDrafter) -> None:
+        """None of the training options (attention kernels, recomputation, compilation) applies to EAGLE-1."""
+
+    def loss(self, drafter, batch: dict[str, torch.Tensor], features):
+        """batch: input_ids, attention_mask, loss_mask, each (B, S); features: the target's states (the trainer's
+        FeatureSource). Returns (loss, metrics of 0-dim tensors)."""
+        captured = features(batch["input_ids"], batch["attention_mask"], self.aux_layer_ids)
         hidden = captured.last_hidden  # (B, S, H) h_t, final-normed
         if self.noise:
             hidden = hidden + (torch.rand_like(hidden) - 0.5) * self.noise

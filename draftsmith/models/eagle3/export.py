@@ -16,32 +16,23 @@ Aux layer ids. draftsmith keeps capture ids (id k = the residual stream entering
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    CONFIG_FILE,
-    ExportError,
-    ExportResult,
-    FormatNotApplicable,
-    check_output_dir,
-    check_tensors,
-    config_for_export,
-    draftsmith_version,
-    load_checkpoint,
-    read_card_inputs,
-    resolve_checkpoint,
-    write_export,
-)
+from draftsmith.models.checkpoint import CONFIG_FILE, ExportError, FormatNotApplicable, check_tensors
+from draftsmith.models.drafter_config import DrafterLoadError, is_int, layer_bias_shapes, one_layer_llama_json
 from draftsmith.models.eagle3.config import FORWARD_FLAGS, METHOD, Eagle3Config
-from draftsmith.models.drafter_config import DrafterLoadError, is_int, one_layer_llama_json
+from draftsmith.models.export_base import (
+    ExportSource,
+    FormatExport,
+    FormatFiles,
+    one_layer_llama_problems,
+    provenance,
+    vllm_serve,
+)
 from draftsmith.models.spec import capture_from_output, output_from_capture
-from draftsmith.models.model_card import render_model_card
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's and SGLang's registries (engines.md §1.1, §3)
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -191,21 +182,16 @@ def native_config(config: Eagle3Config, step: int | None = None) -> dict[str, An
         **config.variants(),
         AUX_IDS_KEY: capture_ids,
         "eagle_config": {AUX_IDS_KEY: output_from_capture(capture_ids), "use_aux_hidden_state": True},
-        "draftsmith": {
-            "version": draftsmith_version(),
-            "method": METHOD,
-            "target": config.target_name_or_path,
-            "target_architectures": list(config.target_architectures),
-            "target_model_type": config.target_model_type,
-            "num_target_layers": config.num_target_layers,
-            "target_max_position_embeddings": config.max_position_embeddings,
-            "aux_layer_ids_capture": capture_ids,
-            "aux_layer_ids_note": (
+        "draftsmith": provenance(
+            config, METHOD, step,
+            num_target_layers=config.num_target_layers,
+            target_max_position_embeddings=config.max_position_embeddings,
+            aux_layer_ids_capture=capture_ids,
+            aux_layer_ids_note=(
                 f"top-level {AUX_IDS_KEY} (vLLM): id k = residual stream entering target layer k = HF "
                 f"output_hidden_states[k]; eagle_config.{AUX_IDS_KEY} (SGLang): output of layer i = capture id i+1"
             ),
-            "step": step,
-        },
+        ),
     }
 
 
@@ -236,12 +222,7 @@ def expected_native_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int,
     if config.get("fc_norm"):
         for j in range(n_aux):
             shapes[f"fc_norm.{j}.weight"] = ((h_t,), "(target_hidden_size,) (fc_norm)")
-    if config.get("attention_bias"):
-        for name, width in zip(_ATTENTION_BIAS_NAMES, (q, kv, kv, h)):
-            shapes[name] = ((width,), "bias of the matching projection (attention_bias)")
-    if config.get("mlp_bias"):
-        for name, width in zip(_MLP_BIAS_NAMES, (i, i, h)):
-            shapes[name] = ((width,), "bias of the matching projection (mlp_bias)")
+    shapes.update(layer_bias_shapes(config, _ATTENTION_BIAS_NAMES, _MLP_BIAS_NAMES, q, kv, h, i))
     return shapes
 
 
@@ -251,18 +232,8 @@ def _check_config(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     warnings: list[str] = []
     if config.get("architectures") != [ARCHITECTURE]:
         problems.append(f"config architectures: {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
-    if config.get("model_type") != "llama":
-        problems.append(f"config model_type: {config.get('model_type')!r}, expected 'llama'")
-    if config.get("num_hidden_layers") != 1:
-        problems.append(f"config num_hidden_layers: {config.get('num_hidden_layers')!r}, expected 1")
-    for key in _REQUIRED_INTS:
-        if key not in config:
-            problems.append(f"config: missing {key}")
-        elif not is_int(config[key]) or config[key] <= 0:
-            problems.append(f"config {key}: {config[key]!r}, expected a positive integer")
-    for key in ("rms_norm_eps", "hidden_act", "rope_theta", "rope_parameters"):
-        if key not in config:
-            problems.append(f"config: missing {key}")
+    problems += one_layer_llama_problems(config, _REQUIRED_INTS,
+                                         ("rms_norm_eps", "hidden_act", "rope_theta", "rope_parameters"))
     rope = config.get("rope_parameters")
     rope_ok = isinstance(rope, dict) and rope.get("rope_theta") == config.get("rope_theta")
     if "rope_parameters" in config and not rope_ok:
@@ -377,11 +348,9 @@ def eagle3_serve_commands(
     target: str, draft: str, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
 ) -> dict[str, str]:
     """Commands that serve `target` with this drafter; SGLang's draft-token count includes the root (k + 1)."""
-    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": num_speculative_tokens},
-                      separators=(",", ":"))
     t, d, k = shlex.quote(target), shlex.quote(draft), num_speculative_tokens
     return {
-        "vLLM": f"vllm serve {t} --speculative-config {shlex.quote(spec)}",
+        "vLLM": vllm_serve(target, METHOD, draft, k),
         "SGLang": (
             f"python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {d} --speculative-num-steps {k} --speculative-eagle-topk 1 "
@@ -395,63 +364,38 @@ def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, 
     return eagle3_serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft)
 
 
-def export_native_eagle3(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-    dtype: torch.dtype | None = torch.bfloat16,
-) -> ExportResult:
-    """Build, validate and write config.json + model.safetensors + README.md into `out_dir`, all or nothing.
-
-    Floating-point weights are written in `dtype` (bf16 by default, as published drafters are; engines cast to
-    the target's dtype anyway); None keeps the checkpoint's fp32 master weights."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    cfg = config_for_export(ckpt, raw, Eagle3Config, METHOD, "native EAGLE-3")
+def native_files(source: ExportSource) -> FormatFiles:
+    """The native layout of an EAGLE-3 checkpoint: its config, the weights under NATIVE_KEY_MAP, the card rows."""
+    cfg = source.config
     on = [flag for flag, value in cfg.variants().items() if value]
     if on:
         raise FormatNotApplicable(
-            f"{ckpt}: this drafter was trained with {', '.join(f'eagle3.{f}=true' for f in on)}, which SGLang's "
-            f"{ARCHITECTURE} does not implement (it would serve wrong drafts): export --format speculators for "
-            "vLLM, or train with those keys false for SGLang")
-    notes = read_card_inputs(ckpt)
-    step = notes.step
-
+            f"{source.ckpt}: this drafter was trained with {', '.join(f'eagle3.{f}=true' for f in on)}, which "
+            f"SGLang's {ARCHITECTURE} does not implement (it would serve wrong drafts): export --format speculators "
+            "for vLLM, or train with those keys false for SGLang")
     try:
-        config = native_config(cfg, step=step)
+        config = native_config(cfg, step=source.step)
     except ValueError as e:  # aux ids with no SGLang form
-        raise ExportError(f"{ckpt / CONFIG_FILE}: {e}") from None
-    tensors = {NATIVE_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
-               for name, t in state.items()}  # unknown names kept, then refused
-    problems, warnings = check_native_eagle3(config, tensors)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as native EAGLE-3: " + "; ".join(problems))
-
-    warnings += notes.warnings
-    target = cfg.target_name_or_path or "TARGET"
-    commands = eagle3_serve_commands(target, str(out_dir))
-    card = render_model_card(
-        target=target,
-        method="EAGLE-3",
-        tags=TAGS,
+        raise ExportError(f"{source.ckpt / CONFIG_FILE}: {e}") from None
+    return FormatFiles(
+        config=config,
+        tensors=source.tensors(NATIVE_KEY_MAP),
         summary={
             "architecture": ARCHITECTURE,
             "draft layers": 1,
             "hidden_size": cfg.hidden_size,
             "target_hidden_size": cfg.target_hidden_size,
             "draft_vocab_size": f"{cfg.draft_vocab_size} of {cfg.vocab_size}",
-            "training step": step if step is not None else "unknown",
         },
         aux_layer_ids=[
             ("capture: residual entering layer k = HF `output_hidden_states[k]` (vLLM)", AUX_IDS_KEY,
              config[AUX_IDS_KEY]),
             ("output of layer i (SGLang)", f"eagle_config.{AUX_IDS_KEY}", config["eagle_config"][AUX_IDS_KEY]),
         ],
-        serve_commands=commands,
-        recipe_text=notes.recipe_text,
-        eval_result=notes.eval_result,
-        version=config["draftsmith"]["version"],
+        serve_commands=eagle3_serve_commands(source.target, source.draft),
     )
 
-    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands)
+
+NATIVE_EXPORT = FormatExport(name="native EAGLE-3", method=METHOD, config_class=Eagle3Config, title="EAGLE-3",
+                             tags=TAGS, build=native_files, check=check_native_eagle3)
+export_native_eagle3 = NATIVE_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype) -> ExportResult

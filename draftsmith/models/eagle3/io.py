@@ -42,10 +42,9 @@ from draftsmith.models.eagle3.speculators import (
     EMBED_KEY,
     SpeculatorsFormatError,
     eagle3_config_from_speculators,
-    load_target_embedding,
-    read_target_config,
     tensors_from_speculators,
 )
+from draftsmith.models.target_files import load_target_embedding, read_target_config
 
 def read_public_eagle3(
     cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target_config: dict[str, Any] | None = None

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.kernels.chunked_loss import LossGrad, loss_chunk_rows, loss_grad_in_forward, sharded_by_deepspeed
 from draftsmith.kernels.fused_head_loss import compute_dtype, head_loss_sum
+from draftsmith.models.losses import shift_left, simulated_acceptance_length
 
 
 @torch.no_grad()
@@ -38,16 +39,6 @@ def teacher_targets(last_hidden: torch.Tensor, lm_head: nn.Module, t2d: torch.Te
         in_draft.append(t2d[logits.argmax(-1)])
         draft_logits.append(logits.index_select(-1, draft_ids))
     return torch.cat(draft_logits, 1), torch.cat(in_draft, 1)
-
-
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """out[:, t] = x[:, t + n], padded with `fill` at the end."""
-    if n == 0:
-        return x
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
 
 
 def position_loss(logits, teacher_logits, kind: str = "soft_ce", lk_eta: float = 3.0):
@@ -263,13 +254,3 @@ def fused_ttt_loss(logits_fn, step_hidden, teacher_draft_logits, teacher_in_draf
         _record_step(metrics, i, step_sums[i] / denominators[i], correct, counts[i])
     metrics["sim_accept_len"] = simulated_acceptance_length(correct_steps, valid[0])
     return total, metrics
-
-
-def simulated_acceptance_length(correct_steps, valid0) -> torch.Tensor:
-    """1 + mean number of leading correct steps, over positions where step 0 is valid (a 0-dim tensor)."""
-    run = torch.ones_like(correct_steps[0])
-    accepted = torch.zeros(correct_steps[0].shape, dtype=torch.float32, device=correct_steps[0].device)
-    for correct in correct_steps:
-        run = run & correct
-        accepted += run.float()
-    return 1.0 + (accepted * valid0).sum() / valid0.sum().clamp(min=1)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.kernels.ttt_attention import unroll_attention
@@ -58,6 +57,23 @@ class Eagle3Layer(nn.Module):
         return out + self.mlp(self.post_attention_layernorm(out))
 
 
+class PlainTTTKernels:
+    """How `Eagle3Drafter.forward_ttt` computes unless it is handed another way (`drafter.ttt_kernels`): plain torch,
+    the reference attention of kernels/ttt_attention.py over keys and values repeated to the query heads once a step,
+    every step run eagerly as it is. Training hands in its own from outside (FlexAttention, recomputed and compiled
+    steps: eagle3/training.py apply_training_options); the model knows none of its options."""
+
+    def attention(self, batch: int, heads: int, seq_len: int, num_steps: int, device, query_block=None,
+                  doc_ids=None):
+        """(the attention every step of one unroll calls, fn(q, keys0, values0, diag_keys, diag_values, scale),
+        whether it reads keys and values repeated to the query heads)."""
+        return unroll_attention("reference", batch, heads, seq_len, num_steps, device, query_block, doc_ids), True
+
+    def step(self, drafter: Eagle3Drafter, *args):
+        """One unrolled step: `drafter.ttt_step` over its two halves as they are."""
+        return drafter.ttt_step(drafter.step_qkv, drafter.step_finish, *args)
+
+
 class Eagle3Drafter(nn.Module):
     adamw_only = ("lm_head",)  # the draft head (when trained) stays with AdamW under training.optimizer=muon (optim.py)
 
@@ -75,10 +91,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
-        self.query_block: int | None = None  # training: TTT attention queries per block, None = chosen (not saved)
-        self.ttt_attention = "reference"  # training: "flex" or "reference" (kernels/ttt_attention.resolve_backend)
-        self.checkpoint_steps = False  # training: recompute each TTT step's layer in the backward pass
-        self._compiled_steps = None  # (qkv, finish) compiled by compile_steps
+        self.ttt_kernels = PlainTTTKernels()  # how forward_ttt computes: handed in from outside (not saved)
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -120,27 +133,22 @@ class Eagle3Drafter(nn.Module):
         return list(self.lm_head.parameters()) + ([] if self.config.norm_output else list(self.norm.parameters()))
 
     # ---- training: training-time test (TTT) -----------------------------------------------------
-    def _attention_qkv(self, embeds, hidden, cos, sin):
-        """One TTT step's queries (B, h, S, hd), keys and values (B, kv, S, hd)."""
+    def step_qkv(self, embeds, hidden, cos, sin):
+        """A TTT step's first half: its queries (B, h, S, hd), keys and values (B, kv, S, hd)."""
         return self.midlayer.self_attn.qkv(self.midlayer.attention_input(embeds, hidden), cos, sin)
 
-    def _step_finish(self, attn_out, hidden):
+    def step_finish(self, attn_out, hidden):
+        """A TTT step's second half, after its attention: the output hidden (B, S, H)."""
         return self.output_hidden(self.midlayer.finish(attn_out, hidden))
 
-    def compile_steps(self, backend: str = "inductor") -> None:
-        """Fuse the elementwise work around each TTT step's matrix products (norms, RoPE, residuals, the gated MLP)
-        with torch.compile (training.compile_drafter). The attention is kernels/ttt_attention.py's (FlexAttention
-        compiles on its own)."""
-        self._compiled_steps = (torch.compile(self._attention_qkv, backend=backend),
-                                torch.compile(self._step_finish, backend=backend))
-
-    def _ttt_step(self, embeds, hidden, cos, sin, attend, keys0, values0, *diagonal):
-        """One unrolled draft step: returns its output hidden and its keys and values (B, kv or h, S, hd). `attend`
-        is the unroll's attention (kernels/ttt_attention.unroll_attention); `diagonal` holds the earlier steps' keys
-        then values (steps 1..i-1); step 0 passes keys0 = values0 = None."""
-        qkv, finish = self._compiled_steps or (self._attention_qkv, self._step_finish)
+    def ttt_step(self, qkv, finish, embeds, hidden, cos, sin, attend, repeat_kv, keys0, values0, *diagonal):
+        """One unrolled draft step: returns its output hidden and its keys and values (B, kv or h, S, hd). `qkv` and
+        `finish` are its two halves (`step_qkv`, `step_finish`, or those compiled); `attend` is the unroll's
+        attention (kernels/ttt_attention.unroll_attention), which with `repeat_kv` reads keys and values repeated to
+        the query heads; `diagonal` holds the earlier steps' keys then values (steps 1..i-1); step 0 passes
+        keys0 = values0 = None."""
         q, k, v = qkv(embeds, hidden, cos, sin)
-        if self.ttt_attention == "reference":  # repeated once here, not at every later step that reads them
+        if repeat_kv:  # repeated once here, not at every later step that reads them
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, h, S, hd)
         half = len(diagonal) // 2
@@ -164,8 +172,8 @@ class Eagle3Drafter(nn.Module):
         Step i at position t takes embed(x_{t+1+i}) and, for i > 0, the drafter's own output hidden of step i-1
         at t, sits at position t+i, and predicts x_{t+2+i}. Its query attends causally to the step-0 keys and to
         the key at its own position of every step 1..i (the "diagonal" of EAGLE-3's Fig. 6): kernels/ttt_attention.py
-        computes it with FlexAttention where `ttt_attention` is "flex", else `query_block` queries at a time when all
-        steps' scores would be large, so no S x S scores are kept.
+        computes it as `ttt_kernels` says (FlexAttention, or the reference `query_block` queries at a time when all
+        steps' scores would be large, so no S x S scores are kept).
         Positions whose input token lies past the end get zero embeddings; the loss masks them.
         Packed rows: `position_ids` restart in every sample (RoPE) and `doc_ids` (B, S) keep the attention inside
         each; a position whose input or target lies in the next sample is masked by the loss (same `doc_ids`).
@@ -174,21 +182,17 @@ class Eagle3Drafter(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=token_embeds.device).unsqueeze(0).expand(b, -1)
         hidden = self.fuse(aux_hidden)  # (B, S, H)
-        attend = unroll_attention(self.ttt_attention, b, self.config.num_attention_heads, s, num_steps,
-                                  token_embeds.device, query_block, doc_ids)  # one mask or block for every step
+        attend, repeat_kv = self.ttt_kernels.attention(b, self.config.num_attention_heads, s, num_steps,
+                                                       token_embeds.device, query_block, doc_ids)  # for every step
         keys0 = values0 = None
         diag_keys, diag_values = [], []  # steps 1..i, each (B, kv, S, hd) (repeated to h heads for the reference)
         outputs = []
-        recompute = self.checkpoint_steps and torch.is_grad_enabled()
         for i in range(num_steps):
             embeds = torch.zeros_like(token_embeds)
             embeds[:, : max(s - 1 - i, 0)] = token_embeds[:, 1 + i:]  # embed(x_{t+1+i})
             cos, sin = self.rope(token_embeds, position_ids + i)
-            args = (embeds, hidden, cos, sin, attend, keys0, values0, *diag_keys, *diag_values)
-            if recompute:  # keeps the step's inputs only; the layer's activations are recomputed in the backward
-                hidden, k, v = checkpoint(self._ttt_step, *args, use_reentrant=False)
-            else:
-                hidden, k, v = self._ttt_step(*args)  # hidden: (B, S, H), the input hidden of step i+1
+            args = (embeds, hidden, cos, sin, attend, repeat_kv, keys0, values0, *diag_keys, *diag_values)
+            hidden, k, v = self.ttt_kernels.step(self, *args)  # hidden: (B, S, H), the input hidden of step i+1
             if i == 0:
                 keys0, values0 = k, v
             else:
@@ -207,7 +211,7 @@ class Eagle3Drafter(nn.Module):
         from draftsmith.models.eagle3.loss import fused_ttt_loss
 
         step_hidden = self.forward_ttt(aux_hidden, token_embeds, num_steps, position_ids, return_hidden=True,
-                                       query_block=self.query_block, doc_ids=doc_ids)
+                                       doc_ids=doc_ids)
         return fused_ttt_loss(self.logits, step_hidden, doc_ids=doc_ids, head_params=self.head_parameters(),
                               head=(self.head_input, self.lm_head.weight), **loss_targets)
 

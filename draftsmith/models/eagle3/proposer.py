@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
-from draftsmith.inference.sampling import Sampler
-from draftsmith.inference.tree import causal_mask, dynamic_tree, parse_token_tree, static_tree, step_attention_mask
 from draftsmith.models.eagle3.io import load_drafter
 from draftsmith.models.eagle3.model import Eagle3Drafter
 from draftsmith.models.target import KVCache
+from draftsmith.runtime.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, ROOT_PARENT, Proposal
+from draftsmith.runtime.sampling import Sampler
+from draftsmith.runtime.tree import causal_mask, dynamic_tree, parse_token_tree, static_tree, step_attention_mask
 
 INITIAL_CACHE_LENGTH = 2048
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's draft_sample_method values

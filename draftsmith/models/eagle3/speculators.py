@@ -26,8 +26,6 @@ Where the consumers disagree, draftsmith writes the value that makes them agree:
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -35,23 +33,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    CONFIG_FILE,
-    IMPORT_FILE,
-    WEIGHTS_FILE,
-    CheckpointError,
-    ExportError,
-    ExportResult,
-    check_output_dir,
-    config_for_export,
-    draftsmith_version,
-    inside,
-    load_checkpoint,
-    read_card_inputs,
-    read_optional_json,
-    resolve_checkpoint,
-    write_export,
-)
+from draftsmith.models.checkpoint import IMPORT_FILE, CheckpointError, ExportError, read_optional_json
+from draftsmith.models.drafter_config import is_int, one_layer_llama_json
 from draftsmith.models.eagle3.config import FORWARD_FLAGS, METHOD, Eagle3Config
 from draftsmith.models.eagle3.export import (
     AUX_IDS_KEY,
@@ -62,8 +45,15 @@ from draftsmith.models.eagle3.export import (
     eagle3_serve_commands,
     expected_native_shapes,
 )
-from draftsmith.models.drafter_config import is_int, one_layer_llama_json
-from draftsmith.models.model_card import looks_like_hub_id, render_model_card
+from draftsmith.models.export_base import (
+    ExportSource,
+    FormatExport,
+    FormatFiles,
+    one_layer_llama_problems,
+    provenance,
+)
+from draftsmith.models.model_card import looks_like_hub_id
+from draftsmith.models.target_files import load_target_embedding, read_target_config
 
 SPECULATORS_MODEL_TYPE = "eagle3"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
@@ -88,76 +78,6 @@ def from_speculators_name(name: str) -> str:
 
 # The contract as a table {draftsmith name: speculators name}; a tensor outside it is refused.
 SPECULATORS_KEY_MAP: dict[str, str] = {ours: to_speculators_name(ours) for ours in NATIVE_KEY_MAP}
-
-
-# ---- the target's files, found without the network ----------------------------------------------------------
-def find_target_file(target: str, filename: str) -> Path | None:
-    """`filename` of the target: in its folder when `target` is a path, else in the Hugging Face cache (offline)."""
-    if not target:
-        return None
-    if Path(target).is_dir():
-        path = Path(target) / filename
-        return path if path.is_file() else None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(target, filename)
-    except Exception:  # not a repo id (a missing path, say): nothing cached under it
-        return None
-    return Path(found) if isinstance(found, str) else None
-
-
-def read_target_config(target: str) -> dict[str, Any] | None:
-    """The target's config.json as a dict (its `text_config` for multimodal targets), or None if not local."""
-    path = find_target_file(target, CONFIG_FILE)
-    if path is None:
-        return None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
-        return {"architectures": config.get("architectures"), **config["text_config"]}
-    return config if isinstance(config, dict) else None
-
-
-def load_target_embedding(target: str) -> tuple[torch.Tensor | None, str]:
-    """(the target's input embedding, "") or (None, why not). Reads that one tensor, never the whole target."""
-    from safetensors import SafetensorError, safe_open
-
-    index_path = find_target_file(target, "model.safetensors.index.json")
-    if index_path is not None:
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            return None, f"{index_path}: unreadable safetensors index ({e})"
-    else:
-        single = find_target_file(target, WEIGHTS_FILE)
-        if single is None:
-            return None, f"target {target!r} has no safetensors weights in a local folder or the Hugging Face cache"
-        try:
-            with safe_open(str(single), framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), WEIGHTS_FILE)
-        except (SafetensorError, OSError) as e:
-            return None, f"{single}: cannot read ({e})"
-    # Llama/Qwen name it model.embed_tokens.weight; multimodal targets nest it deeper. Shortest match wins.
-    names = [k for k in weight_map if k == "model.embed_tokens.weight"] or sorted(
-        (k for k in weight_map if k.endswith("embed_tokens.weight")), key=len
-    )
-    if not names:
-        return None, f"target {target!r}: no *embed_tokens.weight tensor among its weights"
-    try:  # a name the index gives: only ever a file of the target's own folder
-        inside(Path(target), weight_map[names[0]], f"{index_path}: weight_map[{names[0]!r}]", ValueError)
-    except ValueError as e:
-        return None, str(e)
-    shard = find_target_file(target, weight_map[names[0]])
-    if shard is None:
-        return None, f"target {target!r}: shard {weight_map[names[0]]} is not available locally"
-    try:
-        with safe_open(str(shard), framework="pt") as f:
-            return f.get_tensor(names[0]), ""
-    except (SafetensorError, OSError) as e:
-        return None, f"{shard}: cannot read {names[0]} ({e})"
 
 
 # ---- config ------------------------------------------------------------------------------------------------
@@ -214,20 +134,15 @@ def speculators_config(
                 "architectures": list(verifier_architectures or config.target_architectures),
             },
         },
-        "draftsmith": {
-            "version": draftsmith_version(),
-            "method": METHOD,
-            "target": config.target_name_or_path,
-            "target_architectures": list(config.target_architectures),
-            "target_model_type": config.target_model_type,
-            "num_target_layers": config.num_target_layers,
-            "target_max_position_embeddings": target_max_position_embeddings or config.max_position_embeddings,
-            "aux_layer_ids_note": (
+        "draftsmith": provenance(
+            config, METHOD, step,
+            num_target_layers=config.num_target_layers,
+            target_max_position_embeddings=target_max_position_embeddings or config.max_position_embeddings,
+            aux_layer_ids_note=(
                 f"{AUX_IDS_KEY}: id k = residual stream entering target layer k = HF output_hidden_states[k] "
                 "(the convention of vLLM, speculators and draftsmith)"
             ),
-            "step": step,
-        },
+        ),
     }
 
 
@@ -293,17 +208,8 @@ def check_speculators(
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         return problems + ["config transformer_layer_config: missing or not an object (vLLM requires a dict)"], []
-    if layer.get("model_type") != "llama":
-        problems.append(f"config transformer_layer_config.model_type: {layer.get('model_type')!r}, expected 'llama'")
-    if layer.get("num_hidden_layers") != 1:
-        problems.append(f"config transformer_layer_config.num_hidden_layers: {layer.get('num_hidden_layers')!r}, "
-                        "expected 1")
-    for key in _LAYER_INTS:
-        if not is_int(layer.get(key)) or layer[key] <= 0:
-            problems.append(f"config transformer_layer_config.{key}: {layer.get(key)!r}, expected a positive integer")
-    for key in ("rms_norm_eps", "hidden_act", "rope_parameters"):
-        if key not in layer:
-            problems.append(f"config transformer_layer_config: missing {key}")
+    problems += one_layer_llama_problems(layer, _LAYER_INTS, ("rms_norm_eps", "hidden_act", "rope_parameters"),
+                                         "transformer_layer_config")
     if layer.get("tie_word_embeddings") is not False:
         problems.append("config transformer_layer_config.tie_word_embeddings: must be false (lm_head is the draft's)")
     for flag in FORWARD_FLAGS:
@@ -449,37 +355,24 @@ def _num_speculative_tokens(eval_result: Any, ckpt: Path) -> int:
     return NUM_SPECULATIVE_TOKENS
 
 
-def export_speculators(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-    dtype: torch.dtype | None = torch.bfloat16, verifier: str | None = None,
-) -> ExportResult:
-    """Build, validate and write the speculators layout (config.json, model.safetensors, README.md), all or nothing.
-
-    Floating-point weights, the copied target embedding included, are written in `dtype` (None keeps the
-    checkpoint's own). `verifier` is the target's Hub id to record (see `verifier_name`)."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    cfg = config_for_export(ckpt, raw, Eagle3Config, METHOD, "speculators EAGLE-3")
-    notes = read_card_inputs(ckpt)
-    step, eval_result, warnings = notes.step, notes.eval_result, list(notes.warnings)
-
+def speculators_files(source: ExportSource) -> FormatFiles:
+    """The speculators layout of an EAGLE-3 checkpoint: its config (the verifier and k recorded), the weights under
+    SPECULATORS_KEY_MAP plus a copy of the target's embedding, the card rows (the card names the verifier)."""
+    cfg, ckpt, warnings = source.config, source.ckpt, []
     target_config = read_target_config(cfg.target_name_or_path) or {}
     architectures = list(cfg.target_architectures or target_config.get("architectures") or [])
     if not architectures:
         warnings.append("the target's architectures are unknown; speculators_config.verifier.architectures is empty")
     target_max = target_config.get("max_position_embeddings")
-    num_tokens = _num_speculative_tokens(eval_result, ckpt)
-    verifier, why = verifier_name(cfg.target_name_or_path, verifier)
+    num_tokens = _num_speculative_tokens(source.card.eval_result, ckpt)
+    verifier, why = verifier_name(cfg.target_name_or_path, source.options.get("verifier"))
     if why:
         warnings.append(why)
     config = speculators_config(cfg, num_speculative_tokens=num_tokens, verifier_architectures=architectures,
                                 target_max_position_embeddings=target_max if is_int(target_max) else None,
-                                step=step, verifier=verifier)
+                                step=source.step, verifier=verifier)
 
-    tensors = {SPECULATORS_KEY_MAP.get(name, name): t.to(dtype) if dtype is not None and t.is_floating_point() else t
-               for name, t in state.items()}  # unknown names kept, then refused
+    tensors = source.tensors(SPECULATORS_KEY_MAP)
     embedding, why_not = load_target_embedding(cfg.target_name_or_path)
     if embedding is None:
         raise ExportError(
@@ -489,29 +382,11 @@ def export_speculators(
         )
     weights_dtype = tensors["lm_head.weight"].dtype if "lm_head.weight" in tensors else embedding.dtype
     tensors[EMBED_KEY] = embedding.to(weights_dtype)  # (V, H) one float dtype per file
-    problems, more_warnings = check_speculators(config, tensors)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as speculators EAGLE-3: " + "; ".join(problems))
-    warnings += more_warnings
 
-    commands = speculators_serve_commands(verifier, str(out_dir), num_tokens, sglang=not any(cfg.variants().values()))
-    card = render_speculators_card(config, commands, recipe_text=notes.recipe_text, eval_result=eval_result)
-    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands)
-
-
-def render_speculators_card(
-    config: dict[str, Any], commands: dict[str, str], recipe_text: str | None = None,
-    eval_result: dict[str, Any] | None = None,
-) -> str:
-    layer = config["transformer_layer_config"]
-    spec = config["speculators_config"]
-    prov = config.get("draftsmith") or {}
-    step = prov.get("step")
-    return render_model_card(
-        target=spec["verifier"]["name_or_path"] or "TARGET",
-        method="EAGLE-3",
-        tags=TAGS,
+    layer, spec = config["transformer_layer_config"], config["speculators_config"]
+    return FormatFiles(
+        config=config,
+        tensors=tensors,
         summary={
             "format": f"speculators {config['speculators_version']} (speculators_model_type eagle3)",
             "draft layers": layer["num_hidden_layers"],
@@ -519,14 +394,19 @@ def render_speculators_card(
             "target_hidden_size": config["target_hidden_size"],
             "draft_vocab_size": f"{config['draft_vocab_size']} of {layer['vocab_size']}",
             "speculative tokens (vLLM default)": spec["proposal_methods"][0]["speculative_tokens"],
-            "training step": step if step is not None else "unknown",
         },
         aux_layer_ids=[
             ("capture: residual entering layer k = HF `output_hidden_states[k]` (vLLM, speculators)", AUX_IDS_KEY,
              config[AUX_IDS_KEY]),
         ],
-        serve_commands=commands,
-        recipe_text=recipe_text,
-        eval_result=eval_result,
-        version=prov.get("version", ""),
+        serve_commands=speculators_serve_commands(verifier, source.draft, num_tokens,
+                                                  sglang=not any(cfg.variants().values())),
+        warnings=warnings,
+        card_target=spec["verifier"]["name_or_path"] or "TARGET",
     )
+
+
+SPECULATORS_EXPORT = FormatExport(name="speculators EAGLE-3", method=METHOD, config_class=Eagle3Config,
+                                  title="EAGLE-3", tags=TAGS, build=speculators_files, check=check_speculators,
+                                  options=("verifier",))
+export_speculators = SPECULATORS_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype, verifier)

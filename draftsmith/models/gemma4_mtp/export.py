@@ -7,29 +7,15 @@ DIR}` (speculative.py rewrites gemma4_assistant to gemma4_mtp; gemma4_mtp.py loa
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    ExportError,
-    ExportResult,
-    check_output_dir,
-    config_for_export,
-    draftsmith_version,
-    load_checkpoint,
-    read_card_inputs,
-    resolve_checkpoint,
-    write_export,
-)
+from draftsmith.models.checkpoint import draftsmith_version
+from draftsmith.models.export_base import ExportSource, FormatExport, FormatFiles, draftsmith_generate, vllm_serve
 from draftsmith.models.gemma4_mtp.config import METHOD, MODEL_TYPES, Gemma4MtpConfig
 from draftsmith.models.gemma4_mtp.io import check_drafter_tensors
 from draftsmith.models.gemma4_mtp.model import Gemma4MtpDrafter
-from draftsmith.models.model_card import render_model_card
 
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
 TAGS = ["speculative-decoding", "gemma4-mtp", "draftsmith", "vllm"]
@@ -64,47 +50,34 @@ def check_export(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tu
 
 
 def serve_commands(target: str, draft: str, num_speculative_tokens: int = 3) -> dict[str, str]:
-    spec = json.dumps({"method": "mtp", "model": draft, "num_speculative_tokens": num_speculative_tokens},
-                      separators=(",", ":"))
-    return {"vLLM": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
-            "draftsmith": f"draftsmith generate --target {shlex.quote(target)} --speculative-config "
-                          f"{shlex.quote(spec)}"}
+    k = num_speculative_tokens  # "mtp": vLLM's method for it (the assistant's config.json picks the proposer)
+    return {"vLLM": vllm_serve(target, "mtp", draft, k), "draftsmith": draftsmith_generate(target, "mtp", draft, k)}
 
 
 def serve_commands_from_config(config: dict[str, Any], draft: str) -> dict[str, str]:
     return serve_commands((config.get("draftsmith") or {}).get("target") or "TARGET", draft)
 
 
-def export_gemma4_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-                      dtype: torch.dtype | None = torch.bfloat16) -> ExportResult:
-    """Build, validate and write config.json + model.safetensors + README.md, all or nothing; floating-point
-    weights in `dtype` (bf16 by default; None keeps fp32), token_ordering int64."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    cfg = config_for_export(ckpt, raw, Gemma4MtpConfig, METHOD, "gemma4_mtp")
-    notes = read_card_inputs(ckpt)
-    config = export_config(cfg, dtype, notes.step)
-    tensors = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in state.items()
-               if not (name == "lm_head.weight" and cfg.hf_config().tie_word_embeddings)}
-    problems, warnings = check_export(config, tensors)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as gemma4_mtp: " + "; ".join(problems))
-    warnings += notes.warnings
-    target = cfg.target_name_or_path or "TARGET"
-    commands = serve_commands(target, str(out_dir), cfg.num_steps)
+def assistant_files(source: ExportSource) -> FormatFiles:
+    """The assistant's own layout: its config.json (the export's dtype recorded), the weights under the published
+    names, the tied head left out as transformers writes it, the card rows."""
+    cfg = source.config
+    tied = cfg.hf_config().tie_word_embeddings
     text = cfg.hf_config().get_text_config()
-    card = render_model_card(
-        target=target, method="Gemma 4 MTP", tags=TAGS,
+    return FormatFiles(
+        config=export_config(cfg, source.dtype, source.step),
+        tensors=source.tensors(drop=("lm_head.weight",) if tied else ()),
         summary={"architecture": f"{ARCHITECTURE} ({MODEL_TYPES[0]})",
                  "assistant layers": f"{text.num_hidden_layers} ({', '.join(text.layer_types)}), query-only over "
                                      "the target's KV cache",
                  "hidden size": f"{text.hidden_size} (target {cfg.backbone_hidden_size})",
                  "centroid head": "yes" if cfg.assistant_config.get("use_ordered_embeddings") else "no",
-                 "fine-tuned from": cfg.source or "unknown",
-                 "training step": notes.step if notes.step is not None else "unknown"},
-        aux_layer_ids=[], serve_commands=commands, recipe_text=notes.recipe_text, eval_result=notes.eval_result,
-        version=config["draftsmith"]["version"])
-    return write_export(out_dir, ckpt, config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands)
+                 "fine-tuned from": cfg.source or "unknown"},
+        aux_layer_ids=[],
+        serve_commands=serve_commands(source.target, source.draft, cfg.num_steps),
+    )
+
+
+ASSISTANT_EXPORT = FormatExport(name="gemma4_mtp", method=METHOD, config_class=Gemma4MtpConfig, title="Gemma 4 MTP",
+                                tags=TAGS, build=assistant_files, check=check_export)
+export_gemma4_mtp = ASSISTANT_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype) -> ExportResult

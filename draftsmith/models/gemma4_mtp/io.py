@@ -34,6 +34,7 @@ from draftsmith.models.checkpoint import (
 )
 from draftsmith.models.gemma4_mtp.config import METHOD, MODEL_TYPES, Gemma4MtpConfig
 from draftsmith.models.gemma4_mtp.model import Gemma4MtpDrafter
+from draftsmith.models.target_files import offline_folder
 
 INT_TENSORS = {"masked_embedding.token_ordering": torch.int64}
 
@@ -49,9 +50,7 @@ def is_gemma4_assistant(config: Any) -> bool:
 
 def _folder(path: str | Path) -> Path:
     """A local folder, or a Hub id's snapshot (from the local cache, else downloaded: its JSON and safetensors)."""
-    from draftsmith.models.mtp.native import local_folder
-
-    folder = local_folder(path)
+    folder = offline_folder(path)
     if folder is None and str(path).count("/") == 1 and not Path(path).exists():
         try:
             from huggingface_hub import snapshot_download

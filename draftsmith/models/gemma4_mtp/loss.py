@@ -69,10 +69,3 @@ def step_losses(drafter, d_rows, teacher_rows, teacher_head, cap, chunk: int):
         parts.append(checkpoint(_rows, *args, use_reentrant=False) if torch.is_grad_enabled() else _rows(*args))
     return tuple(torch.cat(p) for p in zip(*parts))
 
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """out[:, i] = x[:, i + n], zeros past the end."""
-    out = torch.zeros_like(x)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.gemma4_mtp.config import TARGET_MODEL_TYPES, source_layers
 from draftsmith.models.gemma4_mtp.io import load_drafter
 from draftsmith.models.gemma4_mtp.model import Gemma4MtpDrafter
 from draftsmith.models.targets.base import windowed
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN, Proposal
 
 
 class Gemma4MtpProposer:

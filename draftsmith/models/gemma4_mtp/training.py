@@ -1,7 +1,7 @@
 """What the trainer needs from Gemma 4 MTP: the assistant to start from, and its loss with the target frozen.
 
-Capture (online): the target runs once per micro-batch (`target.capture`), recording the residual stream entering
-the last sliding and the last full layer that compute K/V (capture ids = those layer indices) and its final-normed
+Capture (online): the target runs once per micro-batch (the features the trainer hands the loss), recording the
+residual stream entering the last sliding and the last full layer that compute K/V (capture ids = those layer indices) and its final-normed
 last state. Each source layer's keys and values are then computed from its input with the target's own frozen
 projections, norms and RoPE (`model.target_kv`, the math of the runtime's Gemma 4 adapter), so the assistant
 trains on exactly the K/V it will read from the runtime's cache. A hidden-state store holds no layer weights to
@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from draftsmith.kernels.chunked_loss import loss_chunk_rows
-from draftsmith.models.eagle3.loss import simulated_acceptance_length
 from draftsmith.models.gemma4_mtp.config import TARGET_MODEL_TYPES, Gemma4MtpConfig, source_layers
 from draftsmith.models.gemma4_mtp.io import drafter_from, read_folder
-from draftsmith.models.gemma4_mtp.loss import StepLoss, shift_left
+from draftsmith.models.gemma4_mtp.loss import StepLoss
 from draftsmith.models.gemma4_mtp.model import Gemma4MtpDrafter, causal_masks, target_kv
+from draftsmith.models.losses import shift_left, simulated_acceptance_length
 from draftsmith.models.target import TargetModel
 
 
@@ -71,9 +71,13 @@ class Gemma4MtpMethod:
             drafter.masked_embedding.centroids.requires_grad_(False)  # (and DDP sees no parameter without a gradient)
         return drafter
 
-    def target_states(self, input_ids, attention_mask):
-        """(final-normed last hidden (B, S, Hb), K/V per layer type) of the frozen target."""
-        captured = self.target.capture(input_ids, attention_mask, self.aux_layer_ids)
+    def apply_training_options(self, drafter: Gemma4MtpDrafter) -> None:
+        """None of the training options (attention kernels, recomputation, compilation) applies to the assistant."""
+
+    def target_states(self, features, input_ids, attention_mask):
+        """(final-normed last hidden (B, S, Hb), K/V per layer type) of the frozen target; `features` captures its
+        states (the trainer's FeatureSource, or `target.capture`)."""
+        captured = features(input_ids, attention_mask, self.aux_layer_ids)
         width = self.target.hidden_size
         entering = dict(zip(self.aux_layer_ids, captured.aux_hidden.split(width, dim=-1)))
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
@@ -85,11 +89,11 @@ class Gemma4MtpMethod:
                 kv[kind] = target_kv(self.target.layers[index], entering[index], cos, sin)
         return captured.last_hidden, kv
 
-    def loss(self, drafter, batch: dict[str, torch.Tensor]):
-        """batch: input_ids, attention_mask, loss_mask (B, S). Returns (loss, metrics of 0-dim tensors), as
-        loss.py draws the alignment."""
+    def loss(self, drafter, batch: dict[str, torch.Tensor], features):
+        """batch: input_ids, attention_mask, loss_mask (B, S); features: the target's states (the trainer's
+        FeatureSource). Returns (loss, metrics of 0-dim tensors), as loss.py draws the alignment."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        last_hidden, kv = self.target_states(input_ids, batch["attention_mask"])
+        last_hidden, kv = self.target_states(features, input_ids, batch["attention_mask"])
         inner = getattr(drafter, "module", drafter)  # under DDP / FSDP: its config only
         with torch.no_grad():
             embeds = self.target.embed_tokens(input_ids)  # (B, S, Hb) scaled by sqrt(Hb), as the runtime feeds it

@@ -19,28 +19,15 @@ draftsmith format (targets without native MTP, e.g. Llama-3.1): `config.json` is
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.models.checkpoint import (
-    ExportError,
-    ExportResult,
-    check_output_dir,
-    config_for_export,
-    draftsmith_version,
-    load_checkpoint,
-    read_card_inputs,
-    resolve_checkpoint,
-    write_export,
-)
-from draftsmith.models.model_card import render_model_card
+from draftsmith.models.checkpoint import ExportError, draftsmith_version
+from draftsmith.models.export_base import ExportSource, FormatExport, FormatFiles, draftsmith_generate, vllm_serve
 from draftsmith.models.mtp.config import METHOD, MtpDrafterConfig
-from draftsmith.models.mtp.native import NativeMtpError, local_folder, native_export_tensors, target_embed_and_head
+from draftsmith.models.mtp.native import NativeMtpError, native_export_tensors, target_embed_and_head
+from draftsmith.models.target_files import offline_folder
 
 TAGS = ["speculative-decoding", "mtp", "draftsmith"]
 NUM_SPECULATIVE_TOKENS = 1  # one token per native module, what vLLM defaults to for DeepSeek-V3
@@ -77,68 +64,51 @@ def native_config(config: MtpDrafterConfig, step: int | None) -> dict[str, Any]:
 
 def serve_commands(target: str, draft: str, config: MtpDrafterConfig) -> dict[str, str]:
     k = NUM_SPECULATIVE_TOKENS if not config.recursive else max(NUM_SPECULATIVE_TOKENS, config.num_depths)
-    spec = json.dumps({"method": METHOD, "model": draft, "num_speculative_tokens": k}, separators=(",", ":"))
-    if config.native_layout is None:
-        return {"draftsmith": f"draftsmith generate --target {shlex.quote(target)} --speculative-config "
-                              f"{shlex.quote(spec)} --prompt 'Hello'"}
-    return {"vLLM": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
-            "draftsmith": f"draftsmith generate --target {shlex.quote(target)} --speculative-config "
-                          f"{shlex.quote(spec)} --prompt 'Hello'"}
+    commands = {"vLLM": vllm_serve(target, METHOD, draft, k)} if config.native_layout is not None else {}
+    return {**commands, "draftsmith": draftsmith_generate(target, METHOD, draft, k)}
 
 
-def export_mtp(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-               dtype: torch.dtype | None = torch.bfloat16) -> ExportResult:
-    """Validate, then write config.json + model.safetensors + README.md into `out_dir`, all or nothing."""
-    out_dir = Path(out_dir)
-    ckpt = resolve_checkpoint(checkpoint)
-    check_output_dir(out_dir, overwrite, keep=(ckpt,))
-    raw, state = load_checkpoint(ckpt)
-    config = config_for_export(ckpt, raw, MtpDrafterConfig, METHOD, "MTP")
-    problems = _checked_state(config, state)
-    if problems:
-        raise ExportError(f"{ckpt}: refusing to export as MTP: " + "; ".join(problems))
-    state = {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t for k, t in state.items()}
-    notes = read_card_inputs(ckpt)
-    step = notes.step
-    target = config.target_name_or_path or "TARGET"
-    warnings = list(notes.warnings)
-
+def mtp_files(source: ExportSource) -> FormatFiles:
+    """The target's native MTP layout when it has one (the state mapped back to its names, with copies of its
+    embedding and head), else draftsmith's own MTP format (the checkpoint as it is)."""
+    config, ckpt, warnings = source.config, source.ckpt, []
+    source.refuse(_checked_state(config, source.state))
+    state = source.tensors()
     if config.native_layout is not None:
-        folder = local_folder(config.target_name_or_path)
+        folder = offline_folder(config.target_name_or_path)
         if folder is None:
             raise ExportError(f"{ckpt}: a native {config.native_layout} MTP export copies the target's embedding "
-                              f"and head, but the target {target!r} is not available locally; download it first")
+                              f"and head, but the target {source.target!r} is not available locally; download it "
+                              "first")
         try:
             shared = target_embed_and_head(folder)
-            embed, head = (shared[n].to(dtype) if dtype is not None else shared[n]
-                           for n in ("model.embed_tokens.weight", "lm_head.weight"))
+            embed, head = (source.cast(shared[n]) for n in ("model.embed_tokens.weight", "lm_head.weight"))
             tensors = native_export_tensors(state, config.native_layout, config.num_target_layers,
                                             config.hidden_size, config.num_modules, embed, head)
         except NativeMtpError as e:
             raise ExportError(f"{ckpt}: {e}") from None
-        out_config = native_config(config, step)
+        out_config = native_config(config, source.step)
         layout_note = f"native {config.native_layout} MTP layout (vLLM method mtp)"
     else:
         tensors, out_config = state, config.to_dict()
         layout_note = "draftsmith MTP format (draftsmith's runtime only; no engine has an MTP class for this family)"
         warnings.append(f"{config.target_model_type} targets have no native MTP layout: vLLM and SGLang cannot "
                         "serve this export, draftsmith's runtime can")
-
-    commands = serve_commands(target, str(out_dir), config)
-    card = render_model_card(
-        target=target, method="MTP", tags=TAGS,
+    return FormatFiles(
+        config=out_config,
+        tensors=tensors,
         summary={"format": layout_note, "modules": config.num_modules,
                  "depths trained": f"{config.num_depths} ({'recursive' if config.recursive else 'one module each'})",
-                 "block": f"one {config.target_model_type} decoder layer per module",
-                 "training step": step if step is not None else "unknown"},
+                 "block": f"one {config.target_model_type} decoder layer per module"},
         aux_layer_ids=[("the target's last hidden state after its final norm (capture id L, normed): what the "
                         "target's forward returns and vLLM and SGLang hand their MTP modules",
                         "num_hidden_layers" if config.native_layout else "num_target_layers",
                         [config.num_target_layers])],
-        serve_commands=commands,
-        recipe_text=notes.recipe_text,
-        eval_result=notes.eval_result,
-        version=draftsmith_version(),
+        serve_commands=serve_commands(source.target, source.draft, config),
+        warnings=warnings,
     )
-    return write_export(out_dir, ckpt, out_config, tensors, card, overwrite=overwrite, warnings=warnings,
-                        serve_commands=commands)
+
+
+MTP_EXPORT = FormatExport(name="MTP", method=METHOD, config_class=MtpDrafterConfig, title="MTP", tags=TAGS,
+                          build=mtp_files)
+export_mtp = MTP_EXPORT.write  # (checkpoint, out_dir, *, overwrite, dtype) -> ExportResult

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from draftsmith.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_json, resolve_checkpoint
 from draftsmith.models.mtp.config import METHOD, MtpDrafterConfig
 from draftsmith.models.mtp.model import MtpDrafter
-from draftsmith.models.mtp.native import NativeMtpError, find_native_mtp, local_folder, stack_experts
+from draftsmith.models.mtp.native import NativeMtpError, find_native_mtp, stack_experts
+from draftsmith.models.target_files import offline_folder
 
 
 class MtpLoadError(ValueError):
@@ -20,7 +21,7 @@ class MtpLoadError(ValueError):
 
 def read_mtp_folder(path: str | Path) -> tuple[MtpDrafterConfig, dict[str, torch.Tensor]]:
     """Config and tensors (draftsmith names, experts possibly split) of a draftsmith or native MTP folder."""
-    folder = local_folder(path)
+    folder = offline_folder(path)
     if folder is None:
         raise MtpLoadError(f"{path}: no such folder (and not a Hub id in the local cache)")
     config_path = folder / CONFIG_FILE

@@ -34,6 +34,7 @@ import sys
 import torch
 from torch import nn
 
+from draftsmith.models.losses import shift_left
 from draftsmith.models.mtp.config import MtpDrafterConfig
 from draftsmith.models.target import SUPPORTED_STEP_MODEL_TYPES, KVCache, attend
 from draftsmith.models.targets.base import apply_rope
@@ -84,14 +85,6 @@ def _init_raw_parameters(block: nn.Module, std: float) -> None:
         for p in module.parameters(recurse=False):
             if p.dim() >= 2:
                 p.normal_(0.0, std)
-
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """out[:, i] = x[:, i + n], zeros past the end."""
-    out = torch.zeros_like(x)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
 
 
 class MtpLayer(nn.Module):

@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.models.checkpoint import inside
+from draftsmith.models.target_files import offline_folder
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,19 +54,6 @@ QWEN3_NEXT_SHARED = ("model.embed_tokens.weight", "lm_head.weight")
 
 class NativeMtpError(ValueError):
     """Native MTP weights that draftsmith cannot read or write."""
-
-
-def local_folder(name_or_path: str | Path) -> Path | None:
-    """A local checkpoint folder for a path or an already-downloaded Hub id (never downloads); None if neither."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(name_or_path), local_files_only=True))
-    except Exception:  # noqa: BLE001 - not a Hub id, or not in the local cache: no native weights known
-        return None
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -220,7 +208,7 @@ class NativeMtp:
 
 def find_native_mtp(name_or_path: str | Path, config) -> NativeMtp | None:
     """The native MTP weights of a target checkpoint (path or cached Hub id), or None when it has none."""
-    folder = local_folder(name_or_path)
+    folder = offline_folder(name_or_path)
     if folder is None:
         return None
     files = weight_files(folder)

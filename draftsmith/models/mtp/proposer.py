@@ -31,10 +31,10 @@ from functools import partial
 import torch
 
 from draftsmith import device as dev
-from draftsmith.inference.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
 from draftsmith.models.mtp.io import load_mtp_drafter
 from draftsmith.models.mtp.model import MtpDrafter
 from draftsmith.models.target import KVCache
+from draftsmith.runtime.proposer import MAX_GRAPHED_DRAFT_WIDTH, PAD_DRAFT_TOKEN, Proposal
 
 INITIAL_CACHE_LENGTH = 2048
 

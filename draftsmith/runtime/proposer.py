@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from draftsmith.inference.sampling import Sampler
+from draftsmith.runtime.sampling import Sampler
 
 # Fills `Proposal.token_ids` past a row's valid length. Not a vocabulary id, so it can never be accepted.
 PAD_DRAFT_TOKEN = -1

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from draftsmith.inference.proposer import ROOT_PARENT
+from draftsmith.runtime.proposer import ROOT_PARENT
 
 
 class TreeError(ValueError):

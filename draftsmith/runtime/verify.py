@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.inference.proposer import PAD_DRAFT_TOKEN
-from draftsmith.inference.sampling import Sampler
-from draftsmith.inference.tree import ancestor_mask, node_depths
+from draftsmith.runtime.proposer import PAD_DRAFT_TOKEN
+from draftsmith.runtime.sampling import Sampler
+from draftsmith.runtime.tree import ancestor_mask, node_depths
 
 MIN_MASS = 1e-12  # residuals with less mass than this are numerically empty: fall back to p
 
