@@ -10,6 +10,7 @@ A record becomes a list of `Message` dicts ``{"role": "system"|"user"|"assistant
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,11 @@ _ROLE_MAP = {
 }
 _HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _JSON_CHUNK_CHARS = 1 << 22  # read JSON lists 4M characters at a time: fast, and memory stays flat
+TOO_DEEP = "JSON nested too deeply to read"  # json raises RecursionError past ~1,000 levels
+NOT_TEXT = "text that is not Unicode (a lone surrogate such as \\ud800, or bytes that are not UTF-8)"
+# The tokens of a JSON value, to find where one too deep for json ends: a string, a bracket, a run of anything else,
+# or a lone quote (a string the buffer cuts short).
+_JSON_SCAN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]|[^"\[\]{}]+|"', re.S)
 
 
 class DataError(ValueError):
@@ -74,6 +80,23 @@ class LoadReport:
 # ----------------------------------------------------------------------------- records -> messages
 
 
+def is_text(s: str) -> bool:
+    """Whether `s` can be written as UTF-8 (and so tokenized): json reads a lone surrogate escape such as "\\ud800"
+    into a str that cannot."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _keys(record: dict) -> str:
+    """A record's keys for a message, a key that is no text escaped."""
+    return ", ".join(k.encode("utf-8", "backslashreplace").decode() for k in map(str, record)) or "none"
+
+
 def _parse_messages(turns: Any) -> list[Message]:
     if not isinstance(turns, list):
         raise _Malformed("conversation is not a list")
@@ -96,6 +119,13 @@ def _parse_messages(turns: Any) -> list[Message]:
 
 def _record_messages(record: Any) -> list[Message]:
     """Accepts {conversations|messages: [...]}, {question, answer} and {prompt, response|completion}."""
+    messages = _messages_of(record)
+    if not all(is_text(m["content"]) for m in messages):
+        raise _Malformed(NOT_TEXT)
+    return messages
+
+
+def _messages_of(record: Any) -> list[Message]:
     if not isinstance(record, dict):
         raise _Malformed("record is not a JSON object")
     for key in ("conversations", "messages"):
@@ -114,13 +144,20 @@ def _record_messages(record: Any) -> list[Message]:
         if not isinstance(prompt, str) or not isinstance(reply, str):
             raise _Malformed("non-string content")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-    raise _Malformed(f"no 'conversations' or 'messages' key (keys: {', '.join(map(str, record)) or 'none'})")
+    raise _Malformed(f"no 'conversations' or 'messages' key (keys: {_keys(record)})")
 
 
 def _record_prompt(record: Any) -> str:
     """The first user turn of a prompt-set record: {conversations|messages: [...]} (first user message), MT-bench
     {turns: [first, ...]}, or a prompt under 'prompt' (HumanEval; a string or a message list), 'question' or
     'instruction' (Alpaca's non-empty 'input' follows it after a blank line). A reply, when present, is ignored."""
+    text = _prompt_of(record)
+    if not is_text(text):
+        raise _Malformed(NOT_TEXT)
+    return text
+
+
+def _prompt_of(record: Any) -> str:
     if not isinstance(record, dict):
         raise _Malformed("record is not a JSON object")
     messages = next((record[key] for key in ("conversations", "messages") if key in record), None)
@@ -139,7 +176,7 @@ def _record_prompt(record: Any) -> str:
     key = next((k for k in ("prompt", "question", "instruction") if k in record), None)
     if key is None:
         raise _Malformed("no prompt: expected a 'prompt', 'question', 'instruction' or 'turns' key, or a "
-                         f"'conversations'/'messages' list (keys: {', '.join(map(str, record)) or 'none'})")
+                         f"'conversations'/'messages' list (keys: {_keys(record)})")
     text = record[key]
     if not isinstance(text, str) or not text:
         raise _Malformed(f"'{key}' must be a non-empty string")
@@ -187,6 +224,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Callable[[], Any]]]:
             raise _Malformed(f"invalid JSON ({e.msg})") from None
         except UnicodeDecodeError:
             raise _Malformed("invalid JSON (not UTF-8)") from None
+        except RecursionError:  # a line such as [[[[...]]]] 100,000 deep: valid JSON json cannot read
+            raise _Malformed(TOO_DEEP) from None
 
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -194,15 +233,38 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Callable[[], Any]]]:
                 yield f"{path}:{lineno}", partial(decode, raw)
 
 
+def _value_end(buf: str, pos: int) -> int | None:
+    """Where the JSON array or object at buf[pos] ends (one past its closing bracket), counting brackets outside
+    strings, without recursion; None when the buffer ends first."""
+    depth = 0
+    for m in _JSON_SCAN.finditer(buf, pos):
+        token = m.group()
+        if token == '"':  # a string the buffer cuts short
+            return None
+        if token in ("[", "{"):
+            depth += 1
+        elif token in ("]", "}"):
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    return None
+
+
+def _unreadable(reason: str) -> Any:
+    raise _Malformed(reason)
+
+
 def _iter_json_list(path: Path, report: LoadReport) -> Iterator[tuple[str, Callable[[], Any]]]:
     """Parse the records of a JSON list one after another, stopping at a cut-short tail.
 
     `json.load` would fail on a truncated file and hold all of it in memory;
-    `raw_decode` over a sliding buffer reads every whole record instead.
+    `raw_decode` over a sliding buffer reads every whole record instead. A record nested too deeply for json is
+    stepped over by counting its brackets, and bytes that are not UTF-8 are read as lone surrogates
+    (surrogateescape), so either is one malformed record, not the end of the file.
     """
     decoder = json.JSONDecoder()
     index = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         buf, pos, eof = "", 0, False
 
         def fill() -> None:  # append a chunk, dropping what is already parsed
@@ -230,6 +292,19 @@ def _iter_json_list(path: Path, report: LoadReport) -> Iterator[tuple[str, Calla
                 return
             try:
                 record, pos_end = decoder.raw_decode(buf, pos)
+            except RecursionError:
+                pos_end = _value_end(buf, pos)
+                if pos_end is None and not eof:
+                    fill()
+                    continue
+                if pos_end is None:  # the file ends inside it
+                    report.truncated_tail = True
+                    report.tail_bytes_skipped = len(buf[pos:].encode("utf-8", "surrogateescape"))
+                    return
+                yield f"{path}:record {index}", partial(_unreadable, TOO_DEEP)
+                index += 1
+                pos = pos_end
+                continue
             except json.JSONDecodeError as e:
                 if not eof:  # perhaps only the buffer ended: read on and retry
                     fill()
@@ -241,7 +316,7 @@ def _iter_json_list(path: Path, report: LoadReport) -> Iterator[tuple[str, Calla
                         "after a syntax error, so fix the file (data.on_malformed=skip does not apply)"
                     ) from None
                 report.truncated_tail = True
-                report.tail_bytes_skipped = len(tail.encode("utf-8"))
+                report.tail_bytes_skipped = len(tail.encode("utf-8", "surrogateescape"))
                 return
             yield f"{path}:record {index}", lambda record=record: record
             index += 1

@@ -6,8 +6,10 @@ earlier assistant turns are already the target's own. Two ways to run the target
 
     --server URL   any OpenAI-compatible server (vLLM, SGLang): `/v1/chat/completions`, `--concurrency`
                    conversations at once, each request retried with exponential backoff on connection errors,
-                   timeouts, 429 and 5xx, and on replies cut short, not JSON or without their fields (`--retries`);
-                   an answer without text (a tool call, a refusal) is an error for its record
+                   timeouts (`--timeout` bounds the whole request, from its start to its last byte), 429 and 5xx,
+                   and on replies cut short, not JSON, nested too deeply to read, without their fields or whose
+                   answer is not Unicode text (a lone surrogate) (`--retries`); an answer without text (a tool
+                   call, a refusal) is an error for its record
     --target PATH  draftsmith's runtime, `--batch-size` conversations decoded together (taken from a window of
                    four batches sorted by prompt length, so a batch pads little)
 
@@ -17,7 +19,8 @@ for a chat target learns most from first answers, and they cost the least to reg
 Outputs in `--out`: `regenerated.jsonl` ({"index", "conversations"}), `errors.jsonl` ({"index", "error"}) and
 `skipped.jsonl` ({"index", "where", "reason"}: records with nothing to regenerate); every input record lands in
 exactly one of them, and the closing line says the counts add up. A rerun resumes: records already in any of the
-three files are not redone (a line cut short by a kill is dropped first). Records are matched by index, so
+three files are not redone (a line cut short by a kill is dropped first; any other damaged line is refused with
+its file and line). Records are matched by index, so
 `regenerate.json` records what the folder is made from (the input's sha256, how it is read, the target, --max-turns,
 --max-new-tokens, --temperature) and a rerun with anything else is refused.
 """
@@ -29,6 +32,8 @@ import hashlib
 import http.client
 import json
 import math
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +41,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from draftsmith.data.conversations import LoadReport, Message, iter_records, resolve_source, source_name
+from draftsmith.data.conversations import LoadReport, Message, is_text, iter_records, resolve_source, source_name
 
 OUTPUTS = ("regenerated", "errors", "skipped")
 MADE_FROM = "regenerate.json"  # what the output folder's records were made from; a rerun must match it
@@ -56,6 +61,86 @@ class RequestFailed(Exception):
 
 class _BadReply(Exception):
     """Internal: a reply that is not what the endpoint promises (not JSON, fields missing); retried."""
+
+
+class _Deadline:
+    """The end of one request's time: `expire` (a timer's) shuts the request's socket down, which ends any read in
+    progress, so a server that trickles its reply a byte at a time cannot hold the request past --timeout (the
+    socket timeout alone bounds each read, not the request)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.expired = self.done = False
+
+    def attach(self, sock: socket.socket) -> socket.socket:
+        """`sock`, the socket a connection (the first, or one a redirect opens) has just opened; TimeoutError when
+        the deadline passed while it connected."""
+        with self.lock:
+            self.sock = sock
+            expired = self.expired
+        if expired:
+            raise TimeoutError("the deadline passed while connecting")
+        return sock
+
+    def finish(self) -> bool:
+        """Mark the reply read; whether it was read in time."""
+        with self.lock:
+            self.done = True
+            return not self.expired
+
+    def expire(self) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.expired, sock = True, self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
+
+
+class _DeadlineHandler:
+    """Mixed into urllib's HTTP(S) handlers: every connection they open reports its socket to the request's
+    _Deadline."""
+
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def do_open(self, http_class, req, **kwargs):
+        deadline = self.deadline
+
+        def connection(host, **args):
+            conn = http_class(host, **args)
+            create, connect = getattr(conn, "_create_connection", None), conn.connect
+
+            def create_and_attach(*a, **k):  # the TCP socket, before any proxy tunnel or TLS handshake on it
+                return deadline.attach(create(*a, **k))
+
+            def connect_and_attach():  # then the socket the request is sent on (TLS wraps the first in another)
+                connect()
+                deadline.attach(conn.sock)
+
+            if create is not None:  # http.client's hook for opening the socket
+                conn._create_connection = create_and_attach
+            conn.connect = connect_and_attach
+            return conn
+
+        return super().do_open(connection, req, **kwargs)
+
+
+class _DeadlineHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+_DEADLINE_HANDLERS = [_DeadlineHTTPHandler]
+if hasattr(urllib.request, "HTTPSHandler"):  # Python built with ssl
+    class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
+        pass
+
+    _DEADLINE_HANDLERS.append(_DeadlineHTTPSHandler)
 
 
 def first_turns(messages: list[Message], max_turns: int | None) -> list[Message]:
@@ -101,26 +186,54 @@ class ServerBackend:
         self.model = model or self._first_model()
         self.target_name = self.model  # what regenerate.json records as the target
 
+    def _fetch(self, request: urllib.request.Request) -> bytes:
+        """The body of `request`'s reply, the whole request (connecting, sending, the headers and the body, an error
+        status's body too) within --timeout: past it, a TimeoutError. An HTTPError carries its body as `.body`."""
+        deadline = _Deadline()
+        opener = urllib.request.build_opener(*(handler(deadline) for handler in _DEADLINE_HANDLERS))
+        timer = threading.Timer(self.timeout, deadline.expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            try:
+                with opener.open(request, timeout=self.timeout) as response:
+                    raw = response.read()
+            except urllib.error.HTTPError as e:
+                e.body = e.read(2000)
+                raise
+            if deadline.finish():
+                return raw
+        except Exception:
+            if not deadline.finish():  # whatever the cut-off read raised: cut short, reset, not JSON
+                raise TimeoutError(f"no whole reply within --timeout {self.timeout:g} s") from None
+            raise
+        finally:
+            timer.cancel()
+        raise TimeoutError(f"no whole reply within --timeout {self.timeout:g} s")
+
     def _request(self, path: str, body: dict | None = None, read: Callable | None = None):
         """The JSON reply of `path`, passed through `read` (which raises _BadReply when a field is missing). A failed
-        connection, a timeout, a 429 or 5xx, a reply cut short or not JSON and a bad reply are retried with backoff;
-        what still fails after --retries is a RequestFailed naming the URL."""
+        connection, a timeout (of the whole request), a 429 or 5xx, a reply cut short, not JSON or nested too deeply
+        and a bad reply are retried with backoff; what still fails after --retries is a RequestFailed naming the
+        URL."""
         url = self.base + path
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
                                          headers={"Content-Type": "application/json"})
         for attempt in range(self.retries + 1):
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    raw = response.read()
+                raw = self._fetch(request)
                 try:
                     reply = json.loads(raw)
                 except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
                     shown = raw[:100].decode(errors="replace").replace("\n", " ")
                     raise _BadReply(f"the reply is not JSON ({e}): {shown!r}") from None
+                except RecursionError:  # valid JSON, but [[[[...]]]] deeper than json can read
+                    raise _BadReply(f"the reply is JSON nested too deeply to read ({len(raw)} bytes, starting "
+                                    f"{raw[:20].decode(errors='replace')!r})") from None
                 return read(reply) if read else reply
             except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:200].replace("\n", " ")
+                detail = getattr(e, "body", b"").decode(errors="replace")[:200].replace("\n", " ")
                 if e.code not in RETRY_STATUS or attempt == self.retries:
                     raise RequestFailed(f"HTTP {e.code} from {url}: {detail}") from None
             except http.client.IncompleteRead as e:
@@ -154,6 +267,12 @@ class ServerBackend:
             try:
                 choice = reply["choices"][0]
                 if isinstance(choice["message"], dict) and "content" in choice["message"]:
+                    content = choice["message"]["content"]
+                    if isinstance(content, str) and not is_text(content):  # valid JSON ("\ud800"), but no text:
+                        # it could be neither written as UTF-8 nor tokenized
+                        at = next(i for i, c in enumerate(content) if not is_text(c))
+                        raise _BadReply(f"the answer is not Unicode text: a lone surrogate "
+                                        f"{json.dumps(content[at])} at character {at}")
                     return choice
             except (KeyError, IndexError, TypeError):
                 pass
@@ -189,8 +308,8 @@ class RuntimeBackend:
                  seed: int = 0):
         from draftsmith.inference.eval import eos_token_ids
         from draftsmith.inference.generator import SpeculativeGenerator
-        from draftsmith.inference.sampling import SamplingParams
         from draftsmith.models.target import TargetModel, load_target_tokenizer
+        from draftsmith.runtime.sampling import SamplingParams
 
         self.target_name = target  # what regenerate.json records as the target
         self.tokenizer = load_target_tokenizer(target, "--target", RegenerateError)
@@ -245,7 +364,9 @@ class RuntimeBackend:
 
 
 def _finished(folder: Path) -> dict[str, set[int]]:
-    """Record indices already in each output file; a last line cut short (a kill mid-write) is dropped first."""
+    """Record indices already in each output file; a last line cut short (a kill mid-write) is dropped first. Any
+    other line that is not a JSON object with an "index" is refused in one line naming its file and line: which
+    record it held is unknown, so resuming would redo or lose one."""
     done = {}
     for name in OUTPUTS:
         path = folder / f"{name}.jsonl"
@@ -256,9 +377,24 @@ def _finished(folder: Path) -> dict[str, set[int]]:
         if raw and not raw.endswith(b"\n"):
             raw = raw[: raw.rfind(b"\n") + 1]
             path.write_bytes(raw)
-        for line in raw.split(b"\n"):  # not str.splitlines: answers may hold U+2028 or U+0085, written raw
-            if line.strip():
-                done[name].add(json.loads(line)["index"])
+        # not str.splitlines: answers may hold U+2028 or U+0085, written raw
+        for lineno, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                why = None
+            except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+                row, why = None, f"not JSON ({str(e)[:100]})"
+            except RecursionError:
+                row, why = None, "JSON nested too deeply to read"
+            index = row.get("index") if isinstance(row, dict) else None
+            if why is None and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
+                why = "not a JSON object with an integer \"index\""
+            if why is not None:
+                raise RegenerateError(f"{path}:{lineno}: a damaged line, {why}: delete that line (its record is "
+                                      "then regenerated again) or choose a new --out")
+            done[name].add(index)
     return done
 
 
@@ -326,7 +462,10 @@ def regenerate(data: str, out: Path, backend, *, format: str = "auto", split: st
     counts = {name: len(ids) for name, ids in done.items()}
 
     def write(name: str, row: dict) -> None:
-        files[name].write(json.dumps(row, ensure_ascii=False) + "\n")
+        line = json.dumps(row, ensure_ascii=False)
+        if not is_text(line):  # a lone surrogate (a record's key, say) cannot be written as UTF-8: \u escapes can
+            line = json.dumps(row)
+        files[name].write(line + "\n")
         files[name].flush()
         counts[name] += 1
 
@@ -378,7 +517,8 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="--server: the model name to ask for (default: the first served)")
     p.add_argument("--concurrency", type=int, default=8, help="--server: conversations in flight")
     p.add_argument("--retries", type=int, default=3, help="--server: retries of a failed request")
-    p.add_argument("--timeout", type=float, default=600.0, help="--server: seconds per request")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="--server: seconds per request, from its start to its last byte")
     p.add_argument("--batch-size", type=int, default=8, help="--target: conversations decoded together")
     p.add_argument("--dtype", default="auto", help="--target: auto, bfloat16, float16 or float32")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="the longest answer, in tokens, per turn")
