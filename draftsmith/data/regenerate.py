@@ -32,8 +32,6 @@ import hashlib
 import http.client
 import json
 import math
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from draftsmith.data.conversations import LoadReport, Message, is_text, iter_records, resolve_source, source_name
+from draftsmith.data.fetch import fetch_within
 
 OUTPUTS = ("regenerated", "errors", "skipped")
 MADE_FROM = "regenerate.json"  # what the output folder's records were made from; a rerun must match it
@@ -61,86 +60,6 @@ class RequestFailed(Exception):
 
 class _BadReply(Exception):
     """Internal: a reply that is not what the endpoint promises (not JSON, fields missing); retried."""
-
-
-class _Deadline:
-    """The end of one request's time: `expire` (a timer's) shuts the request's socket down, which ends any read in
-    progress, so a server that trickles its reply a byte at a time cannot hold the request past --timeout (the
-    socket timeout alone bounds each read, not the request)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
-        self.expired = self.done = False
-
-    def attach(self, sock: socket.socket) -> socket.socket:
-        """`sock`, the socket a connection (the first, or one a redirect opens) has just opened; TimeoutError when
-        the deadline passed while it connected."""
-        with self.lock:
-            self.sock = sock
-            expired = self.expired
-        if expired:
-            raise TimeoutError("the deadline passed while connecting")
-        return sock
-
-    def finish(self) -> bool:
-        """Mark the reply read; whether it was read in time."""
-        with self.lock:
-            self.done = True
-            return not self.expired
-
-    def expire(self) -> None:
-        with self.lock:
-            if self.done:
-                return
-            self.expired, sock = True, self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already closed
-                pass
-
-
-class _DeadlineHandler:
-    """Mixed into urllib's HTTP(S) handlers: every connection they open reports its socket to the request's
-    _Deadline."""
-
-    def __init__(self, deadline: _Deadline):
-        super().__init__()
-        self.deadline = deadline
-
-    def do_open(self, http_class, req, **kwargs):
-        deadline = self.deadline
-
-        def connection(host, **args):
-            conn = http_class(host, **args)
-            create, connect = getattr(conn, "_create_connection", None), conn.connect
-
-            def create_and_attach(*a, **k):  # the TCP socket, before any proxy tunnel or TLS handshake on it
-                return deadline.attach(create(*a, **k))
-
-            def connect_and_attach():  # then the socket the request is sent on (TLS wraps the first in another)
-                connect()
-                deadline.attach(conn.sock)
-
-            if create is not None:  # http.client's hook for opening the socket
-                conn._create_connection = create_and_attach
-            conn.connect = connect_and_attach
-            return conn
-
-        return super().do_open(connection, req, **kwargs)
-
-
-class _DeadlineHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
-    pass
-
-
-_DEADLINE_HANDLERS = [_DeadlineHTTPHandler]
-if hasattr(urllib.request, "HTTPSHandler"):  # Python built with ssl
-    class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
-        pass
-
-    _DEADLINE_HANDLERS.append(_DeadlineHTTPSHandler)
 
 
 def first_turns(messages: list[Message], max_turns: int | None) -> list[Message]:
@@ -186,31 +105,6 @@ class ServerBackend:
         self.model = model or self._first_model()
         self.target_name = self.model  # what regenerate.json records as the target
 
-    def _fetch(self, request: urllib.request.Request) -> bytes:
-        """The body of `request`'s reply, the whole request (connecting, sending, the headers and the body, an error
-        status's body too) within --timeout: past it, a TimeoutError. An HTTPError carries its body as `.body`."""
-        deadline = _Deadline()
-        opener = urllib.request.build_opener(*(handler(deadline) for handler in _DEADLINE_HANDLERS))
-        timer = threading.Timer(self.timeout, deadline.expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            try:
-                with opener.open(request, timeout=self.timeout) as response:
-                    raw = response.read()
-            except urllib.error.HTTPError as e:
-                e.body = e.read(2000)
-                raise
-            if deadline.finish():
-                return raw
-        except Exception:
-            if not deadline.finish():  # whatever the cut-off read raised: cut short, reset, not JSON
-                raise TimeoutError(f"no whole reply within --timeout {self.timeout:g} s") from None
-            raise
-        finally:
-            timer.cancel()
-        raise TimeoutError(f"no whole reply within --timeout {self.timeout:g} s")
-
     def _request(self, path: str, body: dict | None = None, read: Callable | None = None):
         """The JSON reply of `path`, passed through `read` (which raises _BadReply when a field is missing). A failed
         connection, a timeout (of the whole request), a 429 or 5xx, a reply cut short, not JSON or nested too deeply
@@ -222,7 +116,7 @@ class ServerBackend:
                                          headers={"Content-Type": "application/json"})
         for attempt in range(self.retries + 1):
             try:
-                raw = self._fetch(request)
+                raw = fetch_within(request, self.timeout, "--timeout")
                 try:
                     reply = json.loads(raw)
                 except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8

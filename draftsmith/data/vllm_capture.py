@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.fetch import fetch_within
 from draftsmith.data.store import StoreError
 
 METHOD = "extract_hidden_states"
@@ -104,27 +105,6 @@ def serve_command(target: str, layers: VllmLayers, staging: str, tensor_parallel
 # --------------------------------------------------------------------------- reading one request's file
 
 
-def wait_unlocked(path: str, seconds: float = LOCK_WAIT_SECONDS) -> None:
-    """Return once the connector no longer holds `path`'s `.lock` (the file is written); no lock file: at once."""
-    lock = path + ".lock"
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RequestFailed(f"{path}: still being written after {seconds:.0f} s") from None
-                time.sleep(0.01)
-    finally:
-        os.close(fd)
-
-
 def _locked(path: str) -> bool:
     """Whether the connector still holds `path`'s lock (writing it)."""
     try:
@@ -138,6 +118,15 @@ def _locked(path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def wait_unlocked(path: str, seconds: float = LOCK_WAIT_SECONDS) -> None:
+    """Return once the connector no longer holds `path`'s `.lock` (the file is written); no lock file: at once."""
+    deadline = time.monotonic() + seconds
+    while _locked(path):
+        if time.monotonic() > deadline:
+            raise RequestFailed(f"{path}: still being written after {seconds:.0f} s")
+        time.sleep(0.01)
 
 
 def read_states(path: str, token_ids: Sequence[int], num_ids: int, hidden_size: int) -> torch.Tensor:
@@ -317,22 +306,15 @@ class VllmServer:
         self.model = self._served_model(target)
 
     def _get_json(self, path: str, body: dict | None = None):
-        """The JSON reply of `path`, read within `timeout` seconds in all (a reply that trickles is cut off)."""
+        """The JSON reply of `path`, the whole request within `timeout` seconds (a reply that trickles is cut off)."""
         request = urllib.request.Request(self.base + path, data=None if body is None else json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
-        deadline = time.monotonic() + self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                chunks = []
-                while chunk := response.read1(1 << 16):
-                    chunks.append(chunk)
-                    if time.monotonic() > deadline:
-                        raise RequestFailed(f"{self.base}{path}: no whole reply within {self.timeout:.0f} s")
-            return json.loads(b"".join(chunks))
+            return json.loads(fetch_within(request, self.timeout, "collect.vllm.timeout"))
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:200].replace("\n", " ")
+            detail = getattr(e, "body", b"").decode(errors="replace")[:200].replace("\n", " ")
             raise RequestFailed(f"HTTP {e.code} from {self.base}{path}: {detail}") from None
-        except (OSError, ValueError, RecursionError) as e:  # URLError, timeouts, resets; not JSON
+        except (OSError, ValueError, RecursionError) as e:  # URLError, the deadline, resets; not JSON
             raise RequestFailed(f"{self.base}{path}: {getattr(e, 'reason', e)}") from None
 
     def _served_model(self, target: str) -> str:
