@@ -175,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"draftsmith {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk in any command (collect's shards, regenerate's answers, eval's results)
+        from draftsmith.models.checkpoint import is_disk_full, write_failure
+
+        if not is_disk_full(e) or os.environ.get("DRAFTSMITH_DEBUG"):
+            raise
+        print(f"draftsmith {args.command}: error: {write_failure(e, 'a file')}: free space and rerun (collect and "
+              "regenerate resume where they stopped)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"draftsmith {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -253,6 +253,14 @@ class TrainingConfig(BaseModel):
     # written before draftsmith kept its own state in safetensors and JSON): loading a pickle can run code, so
     # only for a run folder you trust (train/state.py)
     trust_run_folder: bool = False
+    # How the drafter is spread over the processes (draftsmith/distributed.py): fsdp2 shards its parameters,
+    # gradients and optimizer state with torch's fully_shard (on GPUs, NPUs and CPUs alike); ddp keeps a whole copy
+    # on every process; auto: what the accelerate launcher config asks (recipes/accelerate/fsdp.yaml: fsdp2; a
+    # DeepSpeed config: accelerate's DeepSpeed, GPUs only), else ddp
+    sharding: Literal["auto", "ddp", "fsdp2"] = "auto"
+    # Online capture with the frozen target's decoder layers sharded over the processes (FSDP2, forward only), for a
+    # target larger than one device; its embeddings, final norm and head stay whole on each
+    shard_target: bool = False
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
     run_name: str | None = None
 

@@ -649,3 +649,33 @@ def test_import_of_a_dflash_export_round_trips_unchanged(tmp_path, learned_mask)
     a, b = load_file(str(tmp_path / "first" / "model.safetensors")), load_file(str(tmp_path / "second" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "second" / MASK_EMBEDDING_FILE).is_file() == learned_mask
+
+
+class _RunsCode:
+    """A pickled object that would run a command if unpickled without restriction."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickled_mask_embedding_is_refused_in_one_line_without_torchs_advice(tmp_path):
+    """Issue 47 item 14: the refusal repeated torch's advice to set weights_only=False (which would run it)."""
+    from draftsmith.models.dflash.io import read_mask_embedding
+    from draftsmith.models.drafter_config import DrafterLoadError
+
+    path = tmp_path / MASK_EMBEDDING_FILE
+    torch.save({"mask_token_id": 1, "embedding": _RunsCode(tmp_path / "ran")}, path)
+    with pytest.raises(DrafterLoadError) as refused:
+        read_mask_embedding(path, {"dflash_config": {"mask_token_id": 1}})
+    message = str(refused.value)
+    assert "not a torch file of tensors alone" in message and "never unpickles" in message
+    assert "weights_only" not in message and "\n" not in message
+    assert not (tmp_path / "ran").exists()
+    (tmp_path / "text.pt").write_text("not a tensor file")
+    with pytest.raises(DrafterLoadError, match="not a torch file of tensors alone"):
+        read_mask_embedding(tmp_path / "text.pt", {})

@@ -453,3 +453,26 @@ def test_sampled_drafts_keep_the_targets_distribution():
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
     accepted = sum(r.metrics.num_accepted_tokens for r in results)
     assert 0 < accepted < sum(r.metrics.num_draft_tokens for r in results)
+
+
+def test_a_published_config_whose_sizes_cannot_build_a_layer_is_one_line(tmp_path):
+    """Issue 47 item 14: hidden_size not a multiple of num_attention_heads was transformers' 48-line validation
+    traceback at import; now one line naming the config file and the keys."""
+    import json as json_mod
+
+    from draftsmith.cli import main
+
+    folder = tmp_path / "eagle"
+    folder.mkdir()
+    (folder / "config.json").write_text(json_mod.dumps({
+        "architectures": ["LlamaForCausalLMEagle"], "hidden_size": 66, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}))
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(66, 132)}, str(folder / "model.safetensors"))
+    from draftsmith.models.importer import CheckpointImportError, import_checkpoint
+
+    with pytest.raises(CheckpointImportError, match=r"config.json: EAGLE config: hidden_size 66 is not a multiple "
+                                                    r"of num_attention_heads 4"):
+        import_checkpoint(folder, tmp_path / "out")
+    assert main(["import", str(folder), "--out", str(tmp_path / "out")]) == 2

@@ -518,3 +518,37 @@ def test_an_uncached_hub_drafter_is_probed_once_and_never_downloaded(tmp_path, m
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline mode: not even the probe
     assert "HF_HUB_OFFLINE=1 forbids downloading it" in hub_unreachable("org/drafter") and len(probes) == 1
     assert hub_unreachable(str(tmp_path)) is None  # a local folder is never looked up
+
+
+def test_a_full_disk_during_eval_keeps_the_results(fixture_target_dir, mt_bench_path, tmp_path, capsys,
+                                                    monkeypatch):
+    """Issue 47 item 12: a full disk was a traceback that lost every result eval had measured. The disk fills after
+    the first configuration's eval.json: measuring goes on, the report is printed, the error is one line naming
+    the file, and eval.json keeps what was saved before."""
+    import errno
+
+    from draftsmith.cli import main
+    from draftsmith.models import checkpoint
+
+    real, writes = checkpoint.write_json_atomic, []
+
+    def fills_up(obj, path, *args, **kwargs):
+        writes.append(path)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(obj, path, *args, **kwargs)
+
+    import draftsmith.inference.eval as eval_mod
+
+    monkeypatch.setattr(eval_mod, "write_json_atomic", fills_up)
+    rc = main(["eval", "--target", str(fixture_target_dir), "--device", "cpu", "--dtype", "float32",
+               "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
+               "--num-speculative-tokens", "1", "2", "--dataset", f"mt={mt_bench_path}",
+               "--num-prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("draftsmith eval: error:")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in captured.err, captured.err[-2000:]
+    assert "disk full" in errors[0] and "the results are in the report printed above" in errors[0]
+    rows = [line.split() for line in captured.out.splitlines() if line.startswith("ngram")]
+    assert [row[1] for row in rows] == ["1", "2"]  # both configurations measured and reported
+    assert len(json.loads((tmp_path / "eval.json").read_text())["results"]) == 1  # saved before the disk filled

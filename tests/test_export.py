@@ -394,8 +394,8 @@ def test_non_finite_weights_are_refused_and_nothing_is_written(tmp_path):
     tensors = random_eagle3_tensors(cfg)
     tensors["midlayer.mlp.up_proj.weight"][3, 5] = float("nan")
     ckpt = make_checkpoint(tmp_path / "run", cfg, tensors)
-    with pytest.raises(ExportError, match=r"model.safetensors: 1 tensor\(s\) hold NaN or inf values "
-                                          r"\(midlayer.mlp.up_proj.weight\): the training diverged"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors: 1 tensor\(s\) hold NaN or inf values "
+                                              r"\(midlayer.mlp.up_proj.weight\): .* diverged run"):
         export_native_eagle3(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
@@ -609,3 +609,38 @@ def test_a_hub_id_or_an_unknown_path_is_left_as_typed(tmp_path, monkeypatch):
     assert absolute_target(TARGET) == TARGET
     assert absolute_target("gone/target") == "gone/target"  # nothing here to resolve it against
     assert absolute_target(str(tmp_path / "here")) == str(tmp_path / "here")
+
+
+def test_an_export_records_its_tokenizer_and_eval_refuses_another(tmp_path, fixture_target_dir, mt_bench_path,
+                                                                     capsys):
+    """Issue 47 item 11: eval and generate stayed silent for a drafter trained with another tokenizer. The export
+    records its target tokenizer's fingerprint (token ids and special ids); generate and eval compare it with their
+    target's and refuse a difference in one line, before loading any model."""
+    import json as json_mod
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.cli import main
+    from draftsmith.models.target_files import tokenizer_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(str(fixture_target_dir))
+    cfg = tiny_eagle3_config()
+    cfg.target_name_or_path = str(fixture_target_dir)
+    export_native_eagle3(make_checkpoint(tmp_path / "run", cfg), tmp_path / "out")
+    recorded = json_mod.loads((tmp_path / "out" / "config.json").read_text())["draftsmith"]["tokenizer"]
+    assert recorded == tokenizer_fingerprint(tokenizer)
+
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(5)  # one special id moved: another tokenizer
+    assert tokenizer_fingerprint(tokenizer) != recorded
+
+    other = json_mod.loads((tmp_path / "out" / "config.json").read_text())
+    other["draftsmith"]["tokenizer"] = "0123456789abcdef"  # the export of a drafter for another tokenizer
+    (tmp_path / "out" / "config.json").write_text(json_mod.dumps(other))
+    spec = json_mod.dumps({"method": "eagle3", "model": str(tmp_path / "out"), "num_speculative_tokens": 2})
+    for command in (["generate", "--prompt", "hi"], ["eval", "--dataset", str(mt_bench_path)]):
+        code = main([*command, "--target", str(fixture_target_dir), "--device", "cpu", "--speculative-config",
+                     spec, "--max-new-tokens", "4"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert f"{tmp_path / 'out' / 'config.json'}: this drafter was trained with another tokenizer" in err
+        assert "fingerprint 0123456789abcdef" in err

@@ -372,3 +372,32 @@ def test_an_assistant_for_another_target_is_one_line(tmp_path, tiny_llama):
     wider = TargetModel(random_target(vocab=256))
     with pytest.raises(ValueError, match="assistant for a target of vocab 128"):
         build_proposer(spec, wider)
+
+
+def test_out_of_range_ordering_settings_are_refused_at_import_and_load(tmp_path):
+    """Issue 47 item 9: an out-of-range token_ordering or centroid_intermediate_top_k imported, then generate was
+    a traceback. One validation (read_folder), at import and at load."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.models.importer import CheckpointImportError, import_checkpoint
+
+    folder = published(tmp_path / "top_k")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "centroid_intermediate_top_k": 9}))
+    for read in (read_folder, load_drafter):
+        with pytest.raises(ValueError, match=r"centroid_intermediate_top_k 9 must be an integer in 1..num_centroids"):
+            read(folder)
+    with pytest.raises(CheckpointImportError, match="centroid_intermediate_top_k 9"):
+        import_checkpoint(folder, tmp_path / "imported")
+
+    folder = published(tmp_path / "ordering")
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["masked_embedding.token_ordering"][5] = 128  # one past the vocabulary
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    for read in (read_folder, load_drafter):
+        with pytest.raises(ValueError, match=r"token_ordering holds ids in 0..128, outside the vocabulary 0..127"):
+            read(folder)
+    with pytest.raises(CheckpointImportError, match="token_ordering holds ids"):
+        import_checkpoint(folder, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()

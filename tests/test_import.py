@@ -244,6 +244,50 @@ def test_import_refusals_name_the_problem(tmp_path, target_dir):
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
 
 
+def test_a_nan_in_a_public_checkpoint_is_refused_by_import_and_by_the_runtime(tmp_path, target_dir):
+    """Issue 47 item 10: a NaN passed import and generate silently (acceptance 0). Import, the runtime loader and a
+    draftsmith checkpoint's load each refuse it in one line naming the tensor and the file."""
+    cfg, weights = ours(target_dir)
+    weights["midlayer.self_attn.q_proj.weight"][1, 2] = float("nan")
+    src = speculators_public(tmp_path / "spec", cfg, weights, target_embedding(target_dir))
+    named = r"spec/model.safetensors: 1 tensor\(s\) hold NaN or inf values \(layers.0.self_attn.q_proj.weight\)"
+    with pytest.raises(CheckpointImportError, match=named):
+        import_checkpoint(src, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(DrafterLoadError, match=named):
+        load_drafter(src)
+    from draftsmith.models.checkpoint import CheckpointError, load_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "run", cfg, weights)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: 1 tensor\(s\) hold NaN or inf values "
+                                              r"\(midlayer.self_attn.q_proj.weight\)"):
+        load_checkpoint(ckpt)
+
+
+def test_imported_settings_are_checked_the_same_at_import_and_at_load(tmp_path, target_dir):
+    """Issue 47 item 9: speculators' speculative_tokens 1e9 went into the export and its `vllm serve` line, and the
+    runtime loaded a d2t that import refused."""
+    cfg, weights = ours(target_dir)
+    emb = target_embedding(target_dir)
+    spec = speculators_public(tmp_path / "k", cfg, weights, emb)
+    config = json.loads((spec / "config.json").read_text())
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 1_000_000_000
+    (spec / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointImportError, match=r"proposal_methods\[0\].speculative_tokens 1000000000: expected "
+                                                    r"an integer in 1..32"):
+        import_checkpoint(spec, tmp_path / "o1")
+
+    bad = dict(weights)
+    bad["d2t"] = bad["d2t"].clone()
+    bad["d2t"][3] = bad["d2t"][2] - 5  # target ids no longer increasing
+    src = speculators_public(tmp_path / "d2t", cfg, bad, emb)
+    with pytest.raises(CheckpointImportError, match="d2t: target ids arange \\+ d2t are not strictly increasing"):
+        import_checkpoint(src, tmp_path / "o2")
+    with pytest.raises(DrafterLoadError, match="d2t: target ids arange \\+ d2t are not strictly increasing"):
+        load_drafter(src)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
 # ---- round trips -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "keep"])

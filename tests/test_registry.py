@@ -184,7 +184,7 @@ def test_the_package_has_no_import_circles():
 # draftsmith's layers, bottom to top (docs/contributing.md, "Layout"): a module imports its own layer and those below
 # it. A module is in the layer of the longest name here it equals or lies under.
 LAYERS = (
-    ("base", ("draftsmith", "draftsmith.device")),  # the version; the accelerator
+    ("base", ("draftsmith", "draftsmith.device", "draftsmith.distributed")),  # the version; the accelerator; sharding
     ("kernels", ("draftsmith.kernels",)),  # attention and loss kernels, each with its plain-torch reference
     ("runtime", ("draftsmith.runtime",)),  # the proposer protocol, sampling, verification, trees, metrics
     ("models", ("draftsmith.models",)),  # targets; the method folders, whose proposers implement the protocol

@@ -222,21 +222,47 @@ def test_a_run_folder_of_accelerate_pickles_is_refused_with_what_to_do(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_stuck_run_stops_naming_the_recipes_rate_and_keeps_its_last_good_checkpoint(tmp_path, capsys,
-                                                                                      fixture_target_dir):
-    """training.lr=1e6 saturates the drafter: gradient norm 0, a loss that does not move. The run stops with exit 2
-    once stuck for training.stop_when_stuck_steps steps, naming training.lr=1e+06 (not the decayed rate of its last
-    step), and writes no checkpoint of the stuck weights."""
-    recipe = recipe_file(tmp_path, fixture_target_dir, lr=1e6, max_steps=40, stop_when_stuck_steps=4, save_every=1,
-                         eval_every=100)
+def test_a_stuck_run_stops_naming_the_recipes_rate(tmp_path, capsys, fixture_target_dir):
+    """training.lr=1e-30 over the whole training set each step: a loss that does not move (the gradient does not
+    vanish, so it is not a saturation). The run stops with exit 2 once stuck for training.stop_when_stuck_steps
+    steps, naming training.lr=1e-30 (not the decayed rate of its last step); checkpoints stop once it is known to
+    be stuck."""
+    recipe = recipe_file(tmp_path, fixture_target_dir, lr=1e-30, batch_size=20, grad_accum_steps=1, max_steps=40,
+                         stop_when_stuck_steps=4, save_every=1, eval_every=100)
     code, error = run_cli(capsys, "train", str(recipe))
-    assert code == 2 and "training.lr=1e+06 is probably too high" in error, error
-    assert "training.stop_when_stuck_steps=4" in error
+    assert code == 2 and "training.lr=1e-30 is too high or too low" in error, error
+    assert "training.stop_when_stuck_steps=4" in error and "its loss has stayed at" in error
     since, stopped = map(int, re.search(r"steps (\d+)\.\.(\d+): the drafter has not learned", error).groups())
     assert stopped - since == 4 and stopped < 40
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*"))
-    assert saved and max(saved) < since  # nothing written at the stop, nor while it was stuck
-    assert f"model.init_from={tmp_path / 'run' / f'checkpoint-{max(saved)}'}" in error
+    assert saved and max(saved) < stopped  # nothing written once it was known to be stuck
+
+
+@pytest.mark.slow
+def test_a_saturated_run_stops_at_once_and_keeps_only_good_checkpoints(tmp_path, capsys, fixture_target_dir):
+    """Issue 47 item 7: training.lr=1e6 saturates the drafter after one step (gradient norm exactly 0 from step 2,
+    the loss stuck). It exited 0 with dead checkpoints; now it stops at step 2 with exit 2 naming the rate, and the
+    checkpoint of step 1 (the weights that no longer learn) is removed, with `latest`."""
+    recipe = recipe_file(tmp_path, fixture_target_dir, lr=1e6, max_steps=40, save_every=1, eval_every=100)
+    code, error = run_cli(capsys, "train", str(recipe))
+    assert code == 2 and error.count("\n") <= 1, error
+    assert "step 2: the gradient norm is exactly 0 while the loss is not: training.lr=1e+06 saturated" in error
+    assert "removed checkpoint-1" in error
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "latest").exists()
+
+
+def test_discarding_checkpoints_from_a_step_points_latest_at_the_last_good_one(tmp_path):
+    from draftsmith.train.checkpoint import discard_checkpoints_from, latest_checkpoint
+
+    for step in (3, 6, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        for name in ("config.json", "model.safetensors"):  # what makes a checkpoint folder
+            (tmp_path / f"checkpoint-{step}" / name).write_text("{}")
+    (tmp_path / "latest").write_text("checkpoint-9\n")
+    said = discard_checkpoints_from(tmp_path, 6)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
+    assert "removed checkpoint-6, checkpoint-9" in said and f"model.init_from={tmp_path / 'checkpoint-3'}" in said
 
 
 @pytest.mark.slow

@@ -636,3 +636,30 @@ def test_a_shard_larger_than_the_writeback_chunk_is_written_whole_and_handed_to_
     assert len(advised) == asked  # the environment's switch turns it off too
     chunked = (tmp_path / "chunked.safetensors").read_bytes()
     assert len(chunked) == size and chunked == (tmp_path / "plain.safetensors").read_bytes()
+
+
+def test_a_full_disk_during_collect_is_one_line(collected, tmp_path, capsys, monkeypatch):
+    """Issue 47 item 12: a full disk was a traceback in collect. One line naming the file, exit 2; the shards
+    written before it stay on record, so a rerun resumes."""
+    import errno
+
+    from draftsmith.data import store as store_mod
+
+    recipe, _ = collected
+    dump = recipe.model_dump()
+    dump["data"]["hidden_states_path"] = str(tmp_path / "full")
+    save_recipe(recipe_from_dict(dump), tmp_path / "recipe.yaml")
+    real, calls = store_mod.write_shard, []
+
+    def fills_up(tensors, order, prefix, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(tensors, order, prefix, path)
+
+    monkeypatch.setattr(store_mod, "write_shard", fills_up)
+    code = cli_main(["collect", str(tmp_path / "recipe.yaml")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("draftsmith collect: error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"{calls[1]}: disk full (no space left on device): free space and rerun" in errors[0]

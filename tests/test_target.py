@@ -162,3 +162,24 @@ def test_sliding_window_targets_run_inside_the_window_and_are_refused_past_it(ki
         plain.generate(ids, max_new_tokens=20)  # would reach position 30: refused before the first token
     llama = TargetModel(_tiny("llama"))
     assert llama.new_cache(1, 1000).max_length >= 1000  # full-attention targets have no such limit
+
+
+def test_a_target_config_that_does_not_describe_its_weights_is_one_line(tmp_path, fixture_target_dir):
+    """Issue 47 item 14: a config.json whose sizes disagree with the weights was transformers' 64-line report and
+    traceback; now one line naming the file, the tensor and both shapes, before any weight is allocated."""
+    import json
+    import shutil
+
+    from draftsmith.models.target import TargetError, TargetModel
+
+    folder = tmp_path / "target"
+    shutil.copytree(fixture_target_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").chmod(0o644)
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    with pytest.raises(TargetError) as refused:
+        TargetModel.from_pretrained(folder, dtype="float32", device="cpu")
+    message = str(refused.value)
+    assert "\n" not in message and "mlp" in message and "config.json makes it" in message, message
+    assert f"({config['hidden_size']}, {config['intermediate_size']})" in message or \
+        f"({config['intermediate_size']}, {config['hidden_size']})" in message

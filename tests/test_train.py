@@ -272,16 +272,17 @@ def test_a_nan_loss_stops_the_run_before_the_first_checkpoint(tmp_path, fixture_
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
-def test_a_stuck_run_is_warned_about(tmp_path, fixture_target_dir):
-    """training.lr=1e6 saturates the drafter after one step: gradient norm 0 and a loss that does not move."""
-    lines = []
+def test_a_saturated_run_stops_before_any_checkpoint(tmp_path, fixture_target_dir):
+    """training.lr=1e6 saturates the drafter after one step: gradient norm 0 while the loss is not. The run stops
+    at the next sync (here the log line of step 2), before its checkpoint."""
+    from draftsmith.train import TrainingError
+
     data = write_conversations(tmp_path / "conv.jsonl")
-    train(tiny_recipe(fixture_target_dir, data, tmp_path, lr=1e6, max_steps=7, eval_every=100, save_every=100),
-          log=lines.append)
-    warnings = [line for line in lines if line.startswith("warning: ")]
-    assert any("gradient norm is exactly 0" in w and "training.lr" in w for w in warnings), lines
-    assert any("the loss has not moved" in w for w in warnings), lines
-    assert len(warnings) == 2  # once each, not every log line
+    with pytest.raises(TrainingError, match=r"^step 2: the gradient norm is exactly 0 while the loss is not: "
+                                            r"training.lr=1e\+06 saturated the drafter"):
+        train(tiny_recipe(fixture_target_dir, data, tmp_path, lr=1e6, max_steps=7, eval_every=100, save_every=3),
+              log=lambda *a: None)
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
 # ---- resume: same recipe only, one row per step, the weights stored once (items 10, 14) --------------------------

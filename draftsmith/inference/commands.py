@@ -109,6 +109,7 @@ def _prepare(args: argparse.Namespace, spec_texts: list[str]):
     specs = [parse_spec_config(text, device_type=device.type) for text in spec_texts]
     _check_drafters_reachable(specs)
     tokenizer = _load_tokenizer(args.target)
+    _check_drafter_tokenizers(specs, tokenizer, args.target)
     config = _target_config(args.target)
     _check_speculative_tokens(specs, config)
     return device, specs, tokenizer, config
@@ -154,6 +155,28 @@ def _check_drafters_reachable(specs) -> None:
         why_not = hub_unreachable(model)
         if why_not:
             raise CommandError(f"--speculative-config model {why_not}")
+
+
+def _check_drafter_tokenizers(specs, tokenizer, target: str) -> None:
+    """Refuse a drafter exported for another tokenizer than the target's: the fingerprint its export recorded
+    (config.json "draftsmith" block) against this tokenizer's. Ids that mean other tokens draft nothing useful,
+    silently; the vocabulary size alone is checked when the drafter loads."""
+    from draftsmith.models.target_files import tokenizer_fingerprint
+
+    mine = None
+    for model in dict.fromkeys(spec.model for spec in specs if spec.model):
+        path = Path(model) / "config.json"
+        try:
+            recorded = (json.loads(path.read_text(encoding="utf-8")).get("draftsmith") or {}).get("tokenizer")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a local export folder: its loader says what is wrong with it
+        if not isinstance(recorded, str):
+            continue
+        mine = mine or tokenizer_fingerprint(tokenizer)
+        if recorded != mine:
+            raise CommandError(f"{path}: this drafter was trained with another tokenizer than --target {target}'s "
+                               f"(fingerprint {recorded}, the target's {mine}: its token ids or special ids "
+                               "differ): train a drafter for this target")
 
 
 def _check_max_new_tokens(args: argparse.Namespace) -> None:
@@ -229,7 +252,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         write_eval_json,
     )
     from draftsmith.inference.report import SPEEDUP_TIE_TOLERANCE, add_recommendations, format_report, write_plots
-    from draftsmith.models.checkpoint import EVAL_FILE, write_failure, write_text_atomic
+    from draftsmith.models.checkpoint import EVAL_FILE, is_disk_full, write_failure, write_text_atomic
 
     _check_max_new_tokens(args)
     if args.batch_size < 1:
@@ -243,6 +266,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     _check_drafters_reachable(specs)
     paths = name_datasets(args.dataset)
     tokenizer = _load_tokenizer(args.target)
+    _check_drafter_tokenizers(specs, tokenizer, args.target)
     config = _target_config(args.target)
     _check_speculative_tokens(specs, config)
     prompts = {name: fit_prompts(read_prompts(path, tokenizer, limit=args.num_prompts,
@@ -252,16 +276,37 @@ def run_eval_command(args: argparse.Namespace) -> int:
     target = _load_target(args, device)
 
     out = Path(args.out)
+    failed_write: list[str] = []
+
+    def save_so_far(partial: dict) -> None:
+        """eval.json after each configuration; a full disk stops the saving, not the measuring."""
+        if failed_write:
+            return
+        try:
+            write_eval_json(partial, out / "eval.json", target)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            failed_write.append(write_failure(e, out / "eval.json"))
+            print(f"draftsmith eval: {failed_write[0]}: measuring goes on, and the report is printed at the end",
+                  file=sys.stderr)
+
     sweep = run_sweep(target, tokenizer, prompts, specs, args.max_new_tokens, progress=sys.stderr.isatty(),
                       sampling=sampling, dataset_paths={name: str(path) for name, path in paths.items()},
-                      on_progress=lambda partial: write_eval_json(partial, out / "eval.json", target),
-                      batch_size=args.batch_size)
+                      on_progress=save_so_far, batch_size=args.batch_size)
     add_recommendations(sweep, tie_tolerance)
     report = format_report(sweep, target=args.target, dtype=str(target.dtype).removeprefix("torch."))
-    print(report)
-    written = [write_eval_json(sweep, out / "eval.json", target)]
-    write_text_atomic(report + "\n", out / "eval.txt")
-    written += [out / "eval.txt", *write_plots(sweep, out)]
+    print(report, flush=True)  # before any file: a full disk cannot take the results with it
+    try:
+        written = [write_eval_json(sweep, out / "eval.json", target)]
+        write_text_atomic(report + "\n", out / "eval.txt")
+        written += [out / "eval.txt", *write_plots(sweep, out)]
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise CommandError(f"{write_failure(e, out)}: the results are in the report printed above (and "
+                           f"{out / 'eval.json'} holds those saved before the disk filled); free space and rerun to "
+                           "save them") from None
     print("wrote " + ", ".join(str(p) for p in written))
     for ckpt, result in drafter_eval_results(sweep).items():  # the acceptance table of the drafter's model card
         try:

@@ -225,6 +225,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
         tensors = load_file(ckpt / WEIGHTS_FILE, device="cpu")
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{ckpt / WEIGHTS_FILE}: cannot load: {e}") from None
+    check_finite(tensors, ckpt / WEIGHTS_FILE, CheckpointError)
     return config, tensors
 
 
@@ -237,10 +238,14 @@ def load_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
                       for key, file in index["weight_map"].items()}
             tensors: dict[str, torch.Tensor] = {}
             for shard in sorted(shards):
-                tensors.update(load_file(str(shard), device="cpu"))
+                shard_tensors = load_file(str(shard), device="cpu")
+                check_finite(shard_tensors, shard, CheckpointImportError)
+                tensors.update(shard_tensors)
             return tensors
         if (folder / WEIGHTS_FILE).is_file():
-            return load_file(str(folder / WEIGHTS_FILE), device="cpu")
+            tensors = load_file(str(folder / WEIGHTS_FILE), device="cpu")
+            check_finite(tensors, folder / WEIGHTS_FILE, CheckpointImportError)
+            return tensors
     except (SafetensorError, OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointImportError(f"{folder}: cannot load its safetensors weights: {e}") from None
     raise CheckpointImportError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
@@ -374,13 +379,17 @@ def size_mismatch(expected: Mapping[str, tuple[tuple[int, ...], str]], tensors: 
     return None
 
 
-def check_finite(tensors: Mapping[str, torch.Tensor], where: Path | str) -> None:
-    """Refuse weights holding NaN or inf: an engine would load them and serve garbage drafts without a word."""
+def check_finite(tensors: Mapping[str, torch.Tensor], where: Path | str,
+                 error: type[Exception] = ExportError) -> None:
+    """Refuse weights holding NaN or inf, wherever draftsmith reads or writes a drafter (import, every load of
+    generate, eval and export, an export's files): a drafter with one drafts nothing, silently (acceptance 0), and
+    an engine would serve garbage drafts without a word. One line naming the tensors and the file."""
     bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         named = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
-        raise ExportError(f"{where}: {len(bad)} tensor(s) hold NaN or inf values ({named}): the training diverged; "
-                          "export an earlier checkpoint-N or retrain with a lower training.lr")
+        raise error(f"{where}: {len(bad)} tensor(s) hold NaN or inf values ({named}): the checkpoint is damaged or "
+                    "was saved from a diverged run (take an earlier checkpoint-N of it, or retrain with a lower "
+                    "training.lr); draftsmith neither imports, exports nor runs it")
 
 
 # safetensors reports a failed write as SafetensorError("Error while serializing: I/O error: No space left on device

@@ -12,6 +12,8 @@ from typing import Any
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from draftsmith.models.checkpoint import check_finite
+
 
 def is_int(x: Any) -> bool:
     """An int in a JSON config, not a bool (which Python counts as an int)."""
@@ -221,6 +223,8 @@ def load_drafter_weights(weights_path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(weights_path))
+        tensors = load_file(str(weights_path))
     except (SafetensorError, OSError) as e:
         raise DrafterLoadError(f"{weights_path}: cannot load: {e}") from None
+    check_finite(tensors, weights_path, DrafterLoadError)
+    return tensors

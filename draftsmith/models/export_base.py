@@ -41,6 +41,7 @@ from draftsmith.models.checkpoint import (
 )
 from draftsmith.models.drafter_config import is_int
 from draftsmith.models.model_card import render_model_card
+from draftsmith.models.target_files import target_tokenizer_fingerprint
 
 Problems = tuple[list[str], list[str]]  # (problems, warnings) of a format's contract check
 
@@ -189,6 +190,9 @@ def provenance(config: Any, method: str, step: int | None, **keys: Any) -> dict[
         "target_architectures": list(config.target_architectures),
         "target_model_type": config.target_model_type,
         **keys,
+        # what eval and generate compare with their target's tokenizer (absent where it could not be read)
+        **({"tokenizer": fingerprint} if (fingerprint := target_tokenizer_fingerprint(config.target_name_or_path))
+           else {}),
         "step": step,
     }
 

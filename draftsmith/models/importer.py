@@ -30,6 +30,7 @@ from draftsmith.models.checkpoint import (
     CheckpointImportError,
     ExportError,
     atomic_output_dir,
+    check_finite,
     check_output_dir,
     save_safetensors_atomic,
     write_json_atomic,
@@ -112,6 +113,8 @@ def import_checkpoint(
         raise
     except ValueError as e:
         raise CheckpointImportError(f"{folder}: {e}") from None
+    check_finite(imported.tensors, folder, CheckpointImportError)  # the readers check each file they read; this,
+    # what any of them computed
 
     record = {"source": str(src), "format": name, "notes": imported.notes}
     if imported.num_speculative_tokens is not None:

@@ -188,6 +188,10 @@ class TargetModel:
 
         device = dev.get_device(device) if not isinstance(device, torch.device) else device
         torch_dtype = dev.resolve_dtype(dtype, device)
+        if Path(path).is_dir() and (Path(path) / "config.json").is_file():  # before transformers allocates sizes
+            mismatch = _shape_mismatch(path)  # the config makes, and prints its table of every mismatch
+            if mismatch:
+                raise TargetError(mismatch)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=torch_dtype, attn_implementation=attn_implementation
@@ -203,6 +207,11 @@ class TargetModel:
                                           "target again") from e
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise TargetError(f"cannot load target model from {path}: {first}") from e
+        except RuntimeError as e:  # transformers' size-mismatch report: a table, then this
+            if "mismatched_sizes" not in str(e):
+                raise
+            raise TargetError(_shape_mismatch(path) or f"cannot load target model from {path}: its weights' shapes "
+                              "differ from what its config.json makes") from None
         return cls(model.to(device), name_or_path=str(path), compile_layers=compile_layers)
 
     @classmethod
@@ -248,6 +257,67 @@ class TargetModel:
         target = cls(model.eval(), name_or_path=str(path), compile_layers=False)
         target.device, target.dtype = device, torch_dtype
         return target
+
+    @classmethod
+    def sharded(cls, path: str | Path, mesh, dtype: str = "auto", device: str | torch.device | None = None,
+                attn_implementation: str = "sdpa") -> "TargetModel":
+        """The frozen target with its decoder layers sharded over the processes of `mesh` (FSDP2, forward only;
+        distributed.shard_frozen_layers): built on the meta device, sharded, then each process reads only its
+        part of the safetensors files (torch.distributed.checkpoint's Hugging Face reader). The embeddings, the
+        final norm and the head stay whole on every process. Every process must run each forward together."""
+        import json
+
+        import torch.distributed.checkpoint as dcp
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from draftsmith import distributed
+
+        device = dev.get_device(device) if not isinstance(device, torch.device) else device
+        torch_dtype = dev.resolve_dtype(dtype, device)
+        config = AutoConfig.from_pretrained(str(path))
+        with init_empty_weights(include_buffers=False):  # weights on meta, buffers (rotary tables) computed
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation)
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        stack = decoder_stack(model)
+        if stack is None:
+            raise TargetError(f"{path}: training.shard_target needs a causal LM whose decoder layers it can find")
+        base, layers = stack
+        whole = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings(),
+                                    getattr(base, "norm", None))
+                 if isinstance(getattr(m, "weight", None), nn.Parameter)]
+        distributed.shard_frozen_layers(model, layers, base, whole, mesh)
+        model.to_empty(device=device)
+        for name, value in buffers.items():
+            owner, _, attribute = name.rpartition(".")
+            getattr(model.get_submodule(owner), attribute).copy_(value)
+        index = _target_file(path, "model.safetensors.index.json")
+        if index is not None:
+            stored = set(json.loads(index.read_text())["weight_map"])
+            folder = index.parent
+        else:
+            from safetensors import safe_open
+
+            single = _target_file(path, "model.safetensors")
+            if single is None:
+                raise TargetError(f"{path}: no model.safetensors or model.safetensors.index.json")
+            with safe_open(str(single), framework="pt") as f:
+                stored = set(f.keys())
+            folder = single.parent
+        state = model.state_dict()
+        tied = getattr(config, "tie_word_embeddings", False)
+        head = next(name for name, p in model.named_parameters() if p is model.get_output_embeddings().weight)
+        missing = sorted(k for k in state if k not in stored and not (tied and k == head))
+        if missing:
+            raise TargetError(f"{path}: training.shard_target reads weights by their names in the safetensors files, "
+                              f"and {len(missing)} of the model's (first {missing[0]}) are not there: this target "
+                              "family is not supported sharded; set training.shard_target=false")
+        dcp.load({k: v for k, v in state.items() if k in stored},
+                 storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+        if tied:
+            model.tie_weights()
+        return cls(model.eval(), name_or_path=str(path), compile_layers=False)
 
     # ---- pieces the drafters share -------------------------------------------------------------
     @property
@@ -504,6 +574,35 @@ def load_target_tokenizer(target: str, label: str, error: type[ValueError] = Val
         return AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError) as e:
         raise error(f"{label} {target}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+
+
+def _shape_mismatch(path: str | Path) -> str | None:
+    """The first weight whose shape in the safetensors files differs from the one config.json makes (read from the
+    files' headers and a model built on the meta device), as one line; None where none is found."""
+    import json
+
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:  # a check only: whatever it cannot read (another family, an odd index) is left to transformers
+        index = _target_file(path, "model.safetensors.index.json")
+        files = ([index.parent / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+                 if index is not None else [f for f in [_target_file(path, "model.safetensors")] if f is not None])
+        files = [f for f in files if f.resolve().is_relative_to(Path(path).resolve()) and f.is_file()]
+        with init_empty_weights():
+            expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(str(path))).state_dict().items()}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    stored = tuple(f.get_slice(name).get_shape())
+                    if name in expected and expected[name] != stored:
+                        return (f"{file}: {name} has shape {stored}, but {Path(file).parent / 'config.json'} "
+                                f"makes it {expected[name]}: the config does not describe these weights")
+    except Exception:  # noqa: BLE001
+        return None
+    return None
 
 
 def _target_file(path: str | Path, filename: str) -> Path | None:

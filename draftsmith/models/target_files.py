@@ -97,3 +97,28 @@ def load_target_embedding(target: str) -> tuple[torch.Tensor | None, str]:
             return f.get_tensor(names[0]), ""
     except (SafetensorError, OSError) as e:
         return None, f"{shard}: cannot read {names[0]} ({e})"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what a drafter's training depends on in a tokenizer: every token's id and the special ids.
+    Two tokenizers of one vocabulary size but other ids (Llama-2 and Mistral, 32,000 each) differ here."""
+    import hashlib
+
+    special = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    body = json.dumps({"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), "special": special},
+                      ensure_ascii=False)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()[:16]
+
+
+def target_tokenizer_fingerprint(target: str) -> str | None:
+    """The fingerprint of a target's tokenizer where it can be read without a download (a folder, or the Hugging
+    Face cache), else None."""
+    folder = offline_folder(target) if target else None
+    if folder is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(folder)))
+    except Exception:  # noqa: BLE001 - no tokenizer there: nothing recorded
+        return None

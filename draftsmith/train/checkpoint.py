@@ -22,6 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
+from draftsmith import distributed
 from draftsmith.config import Recipe, RecipeError, load_recipe, recipe_to_dict, save_recipe
 from draftsmith.models.checkpoint import (
     CHECKPOINT_DIR,
@@ -43,6 +44,7 @@ from draftsmith.train.state import (
     STATE_DIR,
     check_run_folder,
     load_training_state,
+    raw_optimizer,
     read_json_object,
     save_training_state,
 )
@@ -84,6 +86,22 @@ def checkpoint_before(output_dir: Path, step: int) -> Path | None:
     """The newest checkpoint-N of output_dir with N < step."""
     earlier = [folder for n, folder in checkpoint_folders(output_dir) if n < step]
     return earlier[-1] if earlier else None
+
+
+def discard_checkpoints_from(output_dir: Path, step: int) -> str:
+    """Remove checkpoint-N for N >= step (weights that no longer learn), point `latest` at the newest one left;
+    returns what a message says of it."""
+    dropped = [folder for n, folder in checkpoint_folders(output_dir) if n >= step]
+    for folder in dropped:
+        shutil.rmtree(folder, ignore_errors=True)
+    good = checkpoint_before(output_dir, step)
+    if good is not None:
+        write_text_atomic(good.name + "\n", output_dir / LATEST_FILE)
+    elif (output_dir / LATEST_FILE).exists():
+        (output_dir / LATEST_FILE).unlink()
+    removed = f"removed {', '.join(f.name for f in dropped)}, which held those weights; " if dropped else ""
+    return removed + (f"the last good checkpoint is {good} (model.init_from={good} starts from it)" if good
+                      else "no checkpoint before it")
 
 
 def read_trainer_state(checkpoint: Path) -> dict:
@@ -188,18 +206,30 @@ def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Pa
 
 
 def _write_checkpoint(accelerator, drafter, optimizers, tmp: Path) -> None:
-    """The weights (main process) and the training state (every process its RNG's) into `tmp`."""
-    if accelerator.is_main_process:
-        model = accelerator.unwrap_model(drafter)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-                   if not k.startswith("rotary_emb.")}
-        save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE)
+    """The weights (main process) and the training state (every process its RNG's) into `tmp`. Under FSDP2 every
+    process takes part in gathering the weights and optimizer states whole (distributed.py): the files are those of
+    a one-process run."""
     if delegated(accelerator):
-        accelerator.save_state(str(tmp / STATE_DIR))  # FSDP / DeepSpeed shard the optimizer themselves
+        if accelerator.is_main_process:
+            save_safetensors_atomic(_weights(accelerator.unwrap_model(drafter).state_dict()), tmp / WEIGHTS_FILE)
+        accelerator.save_state(str(tmp / STATE_DIR))  # DeepSpeed shards the optimizer itself
     else:  # optimizer and RNG states (every process its RNG's), no pickles
-        save_training_state(tmp / STATE_DIR, optimizers, accelerator.process_index, accelerator.num_processes,
+        model = accelerator.unwrap_model(drafter)
+        gathers = distributed.is_sharded(model)  # every process takes part; otherwise the main one's copy is it
+        states = []
+        if gathers or accelerator.is_main_process:
+            weights = _weights(distributed.full_weights(model))
+            states = [distributed.optimizer_state(model, raw_optimizer(o)) for o in optimizers]
+        if accelerator.is_main_process:
+            save_safetensors_atomic(weights, tmp / WEIGHTS_FILE)
+        save_training_state(tmp / STATE_DIR, states, accelerator.process_index, accelerator.num_processes,
                             accelerator.is_main_process)
     accelerator.wait_for_everyone()  # every process's RNG file is in before the folder is renamed
+
+
+def _weights(state: dict) -> dict:
+    """A drafter's state dict as model.safetensors holds it: CPU tensors, no rotary tables (rebuilt from config)."""
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("rotary_emb.")}
 
 
 def _write_failed(e: OSError | RuntimeError, accelerator, tmp: Path, final: Path, previous: Path | None) -> Exception:
@@ -229,8 +259,9 @@ def _nearly_full(path: Path) -> bool:
 
 # ---- reading and resuming ------------------------------------------------------------------------------------------
 def delegated(accelerator) -> bool:
-    """FSDP or DeepSpeed: they shard the optimizer state, which only accelerate's save_state and load_state
-    (pickles) handle."""
+    """accelerate's FSDP or DeepSpeed: they shard the optimizer state, which only accelerate's save_state and
+    load_state (pickles) handle. draftsmith's own FSDP2 (distributed.py) is not: its state is gathered into
+    draftsmith's files."""
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
@@ -257,7 +288,7 @@ def load_drafter_weights(accelerator, drafter, checkpoint: Path) -> None:
     """The drafter's weights from the checkpoint's model.safetensors (its one copy, fp32 master weights, so a
     resume stays bit-exact)."""
     _, tensors = load_checkpoint(checkpoint)
-    missing, unexpected = accelerator.unwrap_model(drafter).load_state_dict(tensors, strict=False)
+    missing, unexpected = distributed.load_full_weights(accelerator.unwrap_model(drafter), tensors)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise TrainingError(f"{checkpoint / WEIGHTS_FILE}: does not fit this drafter (tensors "
@@ -270,7 +301,12 @@ def resume(accelerator, drafter, optimizers, paths, log) -> dict:
     checkpoint, rank = paths.resume_from, accelerator.process_index
     if paths.own_state:
         load_drafter_weights(accelerator, drafter, checkpoint)
-        if not load_training_state(checkpoint / STATE_DIR, optimizers, rank):
+        model = accelerator.unwrap_model(drafter)
+
+        def load(optimizer, state):
+            distributed.load_optimizer_state(model, raw_optimizer(optimizer), state)
+
+        if not load_training_state(checkpoint / STATE_DIR, optimizers, rank, load):
             log(f"{checkpoint / STATE_DIR}: no RNG state for process {rank}: its generators start from the seed")
     else:
         accelerator.load_state(str(checkpoint / STATE_DIR))

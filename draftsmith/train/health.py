@@ -1,5 +1,6 @@
-"""Run health: a non-finite loss, gradient norm or target feature stops the run; a stuck run gets a warning, and
-stops once it has been stuck for training.stop_when_stuck_steps steps.
+"""Run health: a non-finite loss, gradient norm or target feature stops the run, and so does a saturated drafter (a
+gradient norm of exactly 0 while the loss is not); a stuck run gets a warning, and stops once it has been stuck for
+training.stop_when_stuck_steps steps.
 
 Host syncs. The loop makes none per step (a sync per step would stall the device queue every step). The flags
 (is this micro-batch's loss finite, which rows' captured features are finite, is this step's gradient norm
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from draftsmith.train.errors import TrainingError
+from draftsmith.train.errors import SaturatedError, TrainingError
 
 STUCK_WINDOW = 5  # logged steps whose loss does not move make a run "stuck"
 STUCK_RTOL = 1e-6  # "does not move": the window's spread within this fraction of the loss (float32 noise)
@@ -60,7 +61,9 @@ def raise_if_unhealthy(watch: FiniteWatch, accelerator) -> None:
     if accelerator.num_processes > 1:  # all processes stop together, or the others wait forever in a collective
         found = accelerator.reduce(torch.tensor([float(problem is not None)], device=accelerator.device), "sum")
         if problem is None and float(found) > 0:
-            problem = "another process found NaN or inf values (its message names the step and sample)"
+            problem = "another process found NaN or inf values, or a saturated drafter (its message names the step)"
+    if problem is not None and watch.saturated_at is not None:
+        raise SaturatedError(problem, watch.saturated_at)
     if problem is not None:
         raise TrainingError(problem)
 
@@ -70,7 +73,7 @@ class Health:
 
     def __init__(self, accelerator, describe: Callable[[int], str], rate: str, stop_after: int | None):
         self.accelerator = accelerator
-        self.finite = FiniteWatch(describe)
+        self.finite = FiniteWatch(describe, rate)
         self.stuck = StuckWatch(rate, stop_after)
 
     def check(self) -> None:
@@ -88,10 +91,13 @@ class FiniteWatch:
 
     `describe(sample_id)` names a sample in the message (its index in the training set and its first words)."""
 
-    def __init__(self, describe: Callable[[int], str]):
+    def __init__(self, describe: Callable[[int], str], rate: str = "training.lr"):
         self.describe = describe
+        self.rate = rate  # the recipe's learning rate(s), as a saturation message names them
         self._micro: list[tuple[int, list[int], torch.Tensor]] = []  # (step, sample ids, [rows_ok..., loss_ok])
-        self._steps: list[tuple[int, torch.Tensor]] = []  # (step, grad norm finite)
+        self._steps: list[tuple[int, torch.Tensor]] = []  # (step, [grad norm finite, not saturated])
+        self._last_loss: torch.Tensor | None = None  # the latest micro-batch's loss (device)
+        self.saturated_at: int | None = None  # the step first_problem's message names, when it is a saturation
 
     def observe_micro_batch(self, step: int, sample_ids: list[int], rows_ok: torch.Tensor | None,
                             loss: torch.Tensor) -> None:
@@ -99,12 +105,19 @@ class FiniteWatch:
         rows = rows_ok[:len(sample_ids)] if rows_ok is not None else torch.ones(  # a packed row's flags: (T,)
             len(sample_ids), dtype=torch.bool, device=loss_ok.device)
         self._micro.append((step, list(sample_ids), torch.cat([rows.to(loss_ok.device), loss_ok])))
+        self._last_loss = loss.detach()
 
     def observe_step(self, step: int, grad_norm: torch.Tensor | float | None) -> None:
+        """A step's gradient norm: finite, and not saturated. Saturated: exactly 0 while the loss is not (the
+        learning rate pushed the drafter where no gradient flows; it never learns again, so the run stops at the
+        next check, before any checkpoint holds it)."""
         if grad_norm is None:  # DeepSpeed clips inside its engine and returns no norm
             return
-        ok = torch.isfinite(torch.as_tensor(grad_norm)).reshape(1)
-        self._steps.append((step, ok))
+        norm = torch.as_tensor(grad_norm).reshape(1)
+        live = norm != 0
+        if self._last_loss is not None:
+            live = live | (self._last_loss.reshape(1).to(norm.device) == 0)
+        self._steps.append((step, torch.cat([torch.isfinite(norm), live])))
 
     def first_problem(self) -> str | None:
         """The first non-finite value since the last call, as one line, else None (one device-to-host copy)."""
@@ -136,8 +149,16 @@ class FiniteWatch:
             if not flags[at]:
                 events.append((step, 2, f"step {step}: the gradient norm is not finite (NaN or inf): the drafter "
                                         "diverged; lower training.lr or training.max_grad_norm"))
-            at += 1
-        return min(events)[2] if events else None
+            elif not flags[at + 1]:
+                events.append((step, 3, f"step {step}: the gradient norm is exactly 0 while the loss is not: "
+                                        f"{self.rate} saturated the drafter, which can learn no more; lower it and "
+                                        "train in a new output_dir"))
+            at += 2
+        if not events:
+            return None
+        step, kind, message = min(events)
+        self.saturated_at = step if kind == 3 else None
+        return message
 
 
 class StuckWatch:
@@ -193,11 +214,12 @@ class StuckWatch:
         since = self.stuck_since
         if self.stop_after is None or since is None or step - since < self.stop_after:
             return None
-        why = "its gradient norm is exactly 0" if self.zero_since is not None else \
-            f"its loss has stayed at {self.flat[-1][1]:.6g}"
+        zero = self.zero_since is not None
+        why = "its gradient norm is exactly 0" if zero else f"its loss has stayed at {self.flat[-1][1]:.6g}"
+        fix = (f"{self.rate} is probably too high; lower it" if zero else
+               f"{self.rate} is too high or too low, or the data too uniform; change it")
         return (f"steps {since}..{step}: the drafter has not learned for {step - since} steps ({why}), so the run "
-                f"stops (training.stop_when_stuck_steps={self.stop_after}): {self.rate} is probably too high; lower "
-                "it and train in a new output_dir")
+                f"stops (training.stop_when_stuck_steps={self.stop_after}): {fix} and train in a new output_dir")
 
 
 def _within_noise(values: list[float]) -> bool:

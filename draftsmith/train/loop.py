@@ -5,8 +5,10 @@ folder is checkpoint.py's.
 
 Health (health.py): a NaN or inf in the loss, the gradient norm or the target's features stops the run with one
 line naming the step (and sample), found at the next sync the loop makes anyway and always before a checkpoint is
-written; a run whose gradient norm is 0 or whose loss does not move is warned about, and stopped once it has not
-learned for training.stop_when_stuck_steps steps (periodic checkpoints are skipped while it is stuck).
+written. So does a saturated drafter (a gradient norm of exactly 0 while the loss is not: its weights after the
+step before will never learn again), and the checkpoints holding those weights are removed, `latest` pointing at
+the last good one. A run whose loss does not move is warned about, and stopped once it has not learned for
+training.stop_when_stuck_steps steps (periodic checkpoints are skipped while it is stuck).
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from draftsmith import distributed
 from draftsmith.config import Recipe
-from draftsmith.train.checkpoint import checkpoint_before, latest_checkpoint, save_checkpoint
+from draftsmith.train.checkpoint import (
+    checkpoint_before,
+    discard_checkpoints_from,
+    latest_checkpoint,
+    save_checkpoint,
+)
 from draftsmith.train.health import Health, describe_sample
 from draftsmith.train.metrics import FlopCounter, LogWindow, evaluate, log_row, progress_postfix
-from draftsmith.train.errors import TrainingError
+from draftsmith.train.errors import SaturatedError, TrainingError
 from draftsmith.train.setup import Run, setup
 
 
@@ -61,6 +69,19 @@ def train_run(run: Run, closing: contextlib.ExitStack) -> Path:
     run.drafter.train()
     last_saved = state["step"] if run.paths.resume_from else -1
     budget.start(state["train_seconds"])
+    try:
+        last_saved = _steps(run, health, window, progress, last_saved)
+    except SaturatedError as e:  # the weights after the step before it gave no gradient: no checkpoint keeps them
+        acc.wait_for_everyone()
+        kept = discard_checkpoints_from(run.paths.output_dir, e.step - 1) if acc.is_main_process else ""
+        raise TrainingError(f"{e} ({kept})" if kept else str(e)) from None
+    progress.close()
+    return _finish(run, health, last_saved)
+
+
+def _steps(run: Run, health: Health, window: LogWindow, progress, last_saved: int) -> int:
+    """train_run's steps, to its plan's end, its time budget or a stop; returns the step last saved."""
+    cfg, state, acc, budget = run.recipe.training, run.state, run.accelerator, run.budget
     stop = state["step"] >= budget.plan.total
     while not stop:
         batches = run.batching.epoch(state["epoch"])
@@ -101,8 +122,7 @@ def train_run(run: Run, closing: contextlib.ExitStack) -> Path:
             state["epoch"] += 1
             state["micro_batches_done"] = 0
             stop = cfg.max_steps is None and state["epoch"] >= cfg.epochs
-    progress.close()
-    return _finish(run, health, last_saved)
+    return last_saved
 
 
 def _micro_step(run: Run, indices: list[int], window: LogWindow, health: Health):
@@ -112,12 +132,12 @@ def _micro_step(run: Run, indices: list[int], window: LogWindow, health: Health)
     batch, samples = run.batching.collate(indices)
     features.select(indices, samples)
     grad_norm = None
-    with acc.accumulate(run.drafter):
+    with acc.accumulate(run.drafter), distributed.gradient_sync(run.drafter, acc.sync_gradients):
         loss, metrics = run.method.loss(run.drafter, batch, features)
         health.finite.observe_micro_batch(state["step"] + 1, indices, features.take(), loss)
         acc.backward(loss)
-        if acc.sync_gradients:
-            grad_norm = acc.clip_grad_norm_(run.trainable, run.recipe.training.max_grad_norm)
+        if acc.sync_gradients:  # over FSDP2's sharded gradients the norm is a DTensor: its whole value
+            grad_norm = distributed.plain(acc.clip_grad_norm_(run.trainable, run.recipe.training.max_grad_norm))
             health.finite.observe_step(state["step"] + 1, grad_norm)
         for optimizer in run.optimizers:
             optimizer.step()

@@ -107,9 +107,13 @@ class LogWindow:
         row = {"tflops_per_s": flops_per_s / 1e12}
         if self.flops.peak_tflops:
             row["mfu"] = flops_per_s / 1e12 / self.accelerator.num_processes / self.flops.peak_tflops
-        peak_bytes = dev.max_memory_allocated(self.accelerator.device)
-        if peak_bytes:
+        acc = self.accelerator
+        peak_bytes = dev.max_memory_allocated(acc.device)
+        if peak_bytes:  # this device's; with several processes each one's too (sharding splits them)
             row["peak_memory_gib"] = peak_bytes / 2**30
+            if acc.num_processes > 1:
+                each = acc.gather(torch.tensor([peak_bytes], dtype=torch.float64, device=acc.device))
+                row["peak_memory_gib_per_process"] = [round(b / 2**30, 3) for b in each.tolist()]
         return row
 
 

@@ -1,16 +1,18 @@
 """`setup(recipe)`: everything a training run needs, built once, in a fixed order, into one `Run`: a small
 dataclass (torchtune's recipe state as one object, not a trainer class) that the loop (loop.py) steps.
 
-    1. accelerate (DDP, and FSDP / DeepSpeed through its launcher config; bf16 autocast over fp32 master weights,
-       gradient accumulation, the trackers) and the run folder: a rerun of another recipe is refused before anything
-       slow (checkpoint.py find_resume)
+    1. accelerate (DDP; DeepSpeed through its launcher config; bf16 autocast over fp32 master weights, gradient
+       accumulation, the trackers), the sharding the run asks for checked (distributed.py: FSDP2 is draftsmith's
+       own fully_shard call, on every device), and the run folder: a rerun of another recipe is refused before
+       anything slow (checkpoint.py find_resume)
     2. tokenizer, the recipe checked against the target's config.json, the data
-    3. the target (only its head and embeddings when a store holds what its layers would compute), the method
+    3. the target (only its head and embeddings when a store holds what its layers would compute; its decoder
+       layers sharded over the processes with training.shard_target), the method
        (models/registry.py), the feature source (features.py)
     4. the draft vocabulary, the drafter (its method's training options applied once, from outside:
        `method.apply_training_options`), model.init_from
-    5. batching, the time budget and its plan, optimizers and schedulers, accelerate's prepare; then a resume loads
-       the checkpoint into them (checkpoint.py resume)
+    5. the drafter sharded (FSDP2) or left to accelerate's prepare (DDP, DeepSpeed); batching, the time budget and
+       its plan, optimizers and schedulers; then a resume loads the checkpoint into them (checkpoint.py resume)
 
 The order is the run's random stream: the target's and drafter's initialisations draw from the seed in this order,
 so a change of order is a change of behaviour (tests/test_pinned_losses.py).
@@ -19,6 +21,8 @@ so a change of order is a change of behaviour (tests/test_pinned_losses.py).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith import device as dev
+from draftsmith import distributed
 from draftsmith.config import Recipe, check_recipe_against_target, recipe_to_dict, save_recipe
 from draftsmith.models import registry
 from draftsmith.models.checkpoint import RECIPE_FILE
@@ -70,7 +75,7 @@ class Run:
     target: TargetModel
     features: FeatureSource  # handed to the method's loss: online capture, a store or the first epoch's cache
     method: TrainingMethod
-    drafter: torch.nn.Module  # as accelerate prepared it (DDP, FSDP or DeepSpeed wrap it there)
+    drafter: torch.nn.Module  # FSDP2-sharded (distributed.py), or as accelerate prepared it (DDP, DeepSpeed)
     optimizers: list
     schedulers: list  # LambdaLR over budget.factor: the schedule is a pure function of the step and the plan
     budget: TimeBudget
@@ -78,6 +83,7 @@ class Run:
     state: dict
     log: Callable[..., None]  # print on the main process, silent on the others
     trainable: list  # the drafter's parameters with requires_grad, as built (clip_grad_norm_ reads them)
+    sharding: str = "ddp"  # "fsdp2" (draftsmith's fully_shard), "deepspeed" (accelerate's) or "ddp" (one process too)
 
 
 def method_class(name: str) -> type[TrainingMethod]:
@@ -108,7 +114,10 @@ def check_target_weights(target, source: str) -> None:
     """Refuse a target holding a NaN or inf weight (one pass and one sync, at load): it yields NaN features, or, in
     its lm_head, NaN teacher rows that EAGLE-3's draft-vocabulary mask would drop without a word."""
     params = [(name, p) for name, p in target.model.named_parameters() if p.is_floating_point() and not p.is_meta]
-    finite = torch.stack([torch.isfinite(p).all() for _, p in params]).cpu().tolist()
+    finite = torch.stack([torch.isfinite(distributed.local(p)).all() for _, p in params])
+    if any(distributed.is_sharded(m) for m in target.model.modules()):  # each process checked its own shards
+        finite = distributed.all_processes(finite)
+    finite = finite.cpu().tolist()
     bad = [name for (name, _), ok in zip(params, finite) if not ok]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -146,7 +155,7 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
     from accelerate.utils import set_seed
 
     cfg = recipe.training
-    accelerator, mixed = _accelerator(cfg, Path(recipe.output_dir))
+    accelerator, mixed, sharding = _accelerator(recipe, log)
     log = log if accelerator.is_main_process else _silent
     set_seed(cfg.seed)
     output_dir = Path(recipe.output_dir)
@@ -155,7 +164,7 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
     if closing is not None:
         closing.enter_context(dev.sdpa_without_cudnn())  # batches change shape every step (device.py)
     tokenizer, data = _tokenizer_and_data(recipe, accelerator, output_dir, log)
-    target = _load_target(recipe, tokenizer, mixed, accelerator.device)
+    target = _load_target(recipe, tokenizer, mixed, accelerator, log)
     method = method_class(recipe.model.method)(recipe, target)
     for note in method.notes:
         log(note)
@@ -163,6 +172,8 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
         method.count_mean = mean_over_processes  # normalise by the global batch's tokens, not each process's
     features = open_features(recipe, tokenizer, target, method, data, accelerator, log)
     drafter = _build_drafter(recipe, tokenizer, target, method, data, accelerator, log)
+    if sharding == "fsdp2":
+        drafter = _shard_drafter(drafter, accelerator, log)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizers = build_optimizers(drafter, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -170,7 +181,11 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
                         accelerator.device)
     budget = TimeBudget(cfg, _total_steps(batching))
     schedulers = build_schedulers(optimizers, budget.factor)
-    drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
+    if sharding == "fsdp2":  # accelerate wraps only the optimizers (it skips their step inside an accumulation)
+        prepared = accelerator.prepare(*optimizers)
+        optimizers = list(prepared) if isinstance(prepared, (tuple, list)) else [prepared]
+    else:
+        drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
     register_state_hooks(accelerator)  # the weights live in model.safetensors, not in accelerate's state
     state = {"step": 0, "epoch": 0, "micro_batches_done": 0, "tokens_seen": 0, "train_seconds": 0.0}
     if paths.resume_from is not None:
@@ -181,25 +196,99 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
     state["plan"] = budget.plan.to_dict()
     state["processes"] = accelerator.num_processes  # a resume must keep batch_size x processes (check_same_run)
     run = Run(recipe, accelerator, tokenizer, data, batching, target, features, method, drafter, optimizers,
-              schedulers, budget, paths, state, log, trainable)
+              schedulers, budget, paths, state, log, trainable, sharding)
     _start_logging(run)
     return run
 
 
-def _accelerator(cfg, output_dir: Path):
-    """(accelerate's Accelerator for the recipe's training section, the mixed precision it runs)."""
+def _accelerator(recipe: Recipe, log):
+    """(accelerate's Accelerator for the recipe's training section, the mixed precision it runs, the sharding:
+    "fsdp2", "deepspeed" or "ddp"). A sharding the run cannot do is one line here, before the target loads."""
     from accelerate import Accelerator
 
+    cfg, output_dir = recipe.training, Path(recipe.output_dir)
+    kind, source = distributed.requested_sharding(cfg.sharding)
+    check_sharding(recipe, kind, source)
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = dev.mixed_precision_for(dev.get_device())
     elif mixed == "bf16":
         dev.warn_if_emulated_bf16(dev.get_device(), "set training.mixed_precision=no (or auto) and "
                                                     "model.dtype=float32")
-    accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum_steps,
-                              log_with=None if cfg.report_to == "none" else cfg.report_to,
-                              project_dir=str(output_dir))
-    return accelerator, mixed
+    with distributed.launcher_fsdp_hidden() if kind == "fsdp2" else contextlib.nullcontext():
+        accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum_steps,
+                                  log_with=None if cfg.report_to == "none" else cfg.report_to,
+                                  project_dir=str(output_dir))
+    check_processes(recipe, kind, source, accelerator)
+    log = log if accelerator.is_main_process else _silent
+    if kind == "fsdp2" and accelerator.num_processes == 1:  # nothing to shard: the drafter trains whole, and
+        kind = "ddp"  # the checkpoint is the one a sharded run writes (either resumes the other)
+        log("sharding: FSDP2 asked for, but one process holds the whole drafter")
+    elif kind == "ddp" and accelerator.num_processes > 1:  # said aloud: accelerate's CPU launcher passes no
+        note = (" (accelerate's CPU launcher passes no FSDP config on: set training.sharding=fsdp2 to shard)"
+                if accelerator.device.type == "cpu" and cfg.sharding == "auto" else "")  # launcher config on
+        log(f"sharding: DDP over {accelerator.num_processes} processes, the whole drafter on each{note}")
+    return accelerator, mixed, kind
+
+
+def check_sharding(recipe: Recipe, kind: str, source: str, environ=os.environ) -> None:
+    """Refuse, in one line, a sharding that draftsmith cannot do for this recipe on this device (before anything
+    loads): a recipe that asks for sharding never trains plain DDP without a word."""
+    cfg = recipe.training
+    if kind == "fsdp1":
+        raise TrainingError(f"{source}: FSDP1 is not supported: set fsdp_version: 2 in the launcher config "
+                            "(recipes/accelerate/fsdp.yaml), or training.sharding=fsdp2")
+    if kind == "fsdp2" and cfg.optimizer == "muon":
+        raise TrainingError(f"{source}: training.optimizer=muon orthogonalises whole matrices, which FSDP2 shards: "
+                            "use training.optimizer=adamw, or training.sharding=ddp")
+    if kind == "deepspeed":
+        on_cpu = environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+        device = "cpu" if on_cpu else dev.accelerator_type()
+        if device not in ("cuda", "npu"):
+            raise TrainingError(f"{source}: accelerate runs DeepSpeed on GPUs and NPUs only, not on {device}, and "
+                                "would train plain DDP here: launch with recipes/accelerate/fsdp.yaml (FSDP2 runs on "
+                                "every device), or without a DeepSpeed config")
+        if importlib.util.find_spec("deepspeed") is None:
+            raise TrainingError(f"{source}: DeepSpeed is not installed: pip install deepspeed, or launch with "
+                                "recipes/accelerate/fsdp.yaml")
+        if cfg.shard_target:
+            raise TrainingError(f"training.shard_target with {source}: the target is sharded with FSDP2, next to a "
+                                "drafter under FSDP2 or DDP: use recipes/accelerate/fsdp.yaml")
+    if cfg.shard_target and store_folder(recipe):
+        raise TrainingError("training.shard_target: the target's layers do not run when training reads the store "
+                            f"{store_folder(recipe)}: set training.shard_target=false")
+
+
+def check_processes(recipe: Recipe, kind: str, source: str, accelerator) -> None:
+    """What the launched processes allow: accelerate must really run the DeepSpeed asked for, and a sharded target
+    needs more than one process."""
+    from accelerate.utils import DistributedType
+
+    if kind == "deepspeed" and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise TrainingError(f"{source}: accelerate did not start DeepSpeed here ({accelerator.distributed_type}), "
+                            "and would train plain DDP: launch with recipes/accelerate/fsdp.yaml")
+    if recipe.training.shard_target and accelerator.num_processes < 2:
+        raise TrainingError("training.shard_target: one process has nothing to share the target with: launch "
+                            "several (accelerate launch --num_processes N), or set training.shard_target=false")
+
+
+def _shard_drafter(drafter: torch.nn.Module, accelerator, log) -> torch.nn.Module:
+    """The drafter under FSDP2 (distributed.py), its forward under accelerate's autocast (bf16 compute over fp32
+    master weights, as accelerate runs a DDP drafter: one numerics whatever the sharding)."""
+    import functools
+
+    drafter = distributed.shard_drafter(drafter, distributed.device_mesh(accelerator.device))
+    forward = drafter.forward
+
+    @functools.wraps(forward)
+    def under_autocast(*args, **kwargs):
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    drafter.forward = under_autocast
+    log(f"sharding: FSDP2 over {accelerator.num_processes} processes; this "
+        f"process holds {distributed.local_bytes(drafter) / 2**20:.1f} MiB of the drafter's parameters")
+    return drafter
 
 
 def _tokenizer_and_data(recipe: Recipe, accelerator, output_dir: Path, log):
@@ -215,14 +304,21 @@ def _tokenizer_and_data(recipe: Recipe, accelerator, output_dir: Path, log):
     return tokenizer, data
 
 
-def _load_target(recipe: Recipe, tokenizer, mixed: str, device):
-    """The frozen target, checked; only its head and embeddings when a store holds what its layers compute."""
+def _load_target(recipe: Recipe, tokenizer, mixed: str, accelerator, log):
+    """The frozen target, checked; only its head and embeddings when a store holds what its layers compute; its
+    decoder layers sharded over the processes with training.shard_target."""
     from draftsmith.models.target import TargetModel
 
-    model = recipe.model
+    model, device = recipe.model, accelerator.device
     dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if mixed == "bf16" else "float32")
     if store_folder(recipe):
         target = TargetModel.head_and_embeddings(model.target, dtype=dtype, device=device)
+    elif recipe.training.shard_target:
+        target = TargetModel.sharded(model.target, distributed.device_mesh(device), dtype=dtype, device=device,
+                                     attn_implementation=model.attn_implementation)
+        log(f"target: decoder layers sharded over {accelerator.num_processes} processes; this process holds "
+            f"{distributed.local_bytes(target.model) / 2**20:.1f} MiB of its "
+            f"{sum(p.nbytes for p in target.model.parameters()) / 2**20:.1f} MiB of weights")
     else:
         target = TargetModel.from_pretrained(model.target, dtype=dtype, device=device,
                                              attn_implementation=model.attn_implementation)

@@ -12,10 +12,11 @@ writes its own files instead:
                                               and numpy's generator states as JSON in the metadata
 
 The learning-rate schedulers are not saved: the rate is a pure function of the step and the plan that
-trainer_state.json holds, so the trainer rebuilds them. FSDP and DeepSpeed shard the optimizer themselves and are
-saved by accelerate (pickles): `check_run_folder` resumes those, and folders written before this format, only
-with training.trust_run_folder=true. Before anything is read, a checkpoint holding a pickle draftsmith did not
-write is refused in one line naming the file.
+trainer_state.json holds, so the trainer rebuilds them. A drafter sharded with FSDP2 (draftsmith/distributed.py)
+has its optimizer states gathered whole into the same files, so one format serves every world size and sharding.
+DeepSpeed shards the optimizer itself and is saved by accelerate (pickles): `check_run_folder` resumes those, and
+folders written before this format, only with training.trust_run_folder=true. Before anything is read, a
+checkpoint holding a pickle draftsmith did not write is refused in one line naming the file.
 """
 
 from __future__ import annotations
@@ -54,21 +55,20 @@ def rng_file(rank: int) -> str:
     return f"rng_{rank}.safetensors"
 
 
-def _raw(optimizer):
+def raw_optimizer(optimizer):
     """The torch optimizer inside accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def save_training_state(folder: Path, optimizers, rank: int, world: int, is_main: bool) -> None:
-    """Every process writes its RNG states; the main process the optimizers' (identical on every process under
-    DDP) and state.json, last."""
+def save_training_state(folder: Path, optimizer_states: list[dict], rank: int, world: int, is_main: bool) -> None:
+    """Every process writes its RNG states; the main process the optimizers' states (torch's state_dict layout,
+    whole tensors: identical on every process under DDP, gathered under FSDP2) and state.json, last."""
     folder.mkdir(parents=True, exist_ok=True)
     _save_rng(folder / rng_file(rank))
     if not is_main:
         return
-    for i, optimizer in enumerate(optimizers):
+    for i, state in enumerate(optimizer_states):
         tensors, values = {}, {}
-        state = _raw(optimizer).state_dict()
         for index, entries in state["state"].items():
             for name, value in entries.items():
                 if isinstance(value, torch.Tensor):
@@ -77,13 +77,15 @@ def save_training_state(folder: Path, optimizers, rank: int, world: int, is_main
                     values.setdefault(str(index), {})[name] = value
         meta = json.dumps({"param_groups": state["param_groups"], "values": values})
         save_safetensors_atomic(tensors, folder / optimizer_file(i), metadata={META_KEY: meta})
-    write_json_atomic({"format": FORMAT, "optimizers": len(optimizers), "processes": world}, folder / FORMAT_FILE)
+    write_json_atomic({"format": FORMAT, "optimizers": len(optimizer_states), "processes": world},
+                      folder / FORMAT_FILE)
 
 
-def load_training_state(folder: Path, optimizers, rank: int) -> bool:
+def load_training_state(folder: Path, optimizers, rank: int, load=None) -> bool:
     """Load the optimizers' states and this process's RNG states from draftsmith's files (safetensors and JSON:
-    nothing is unpickled). False when there is no RNG file for this process (a run resumed on more processes
-    than wrote it): its generators keep the recipe's seed."""
+    nothing is unpickled); `load(optimizer, state_dict)` puts a state into an optimizer (default: its
+    load_state_dict; a sharded drafter's shards it). False when there is no RNG file for this process (a run
+    resumed on more processes than wrote it): its generators keep the recipe's seed."""
     saved = read_json_object(folder / FORMAT_FILE)
     if saved.get("optimizers") != len(optimizers):
         raise TrainingStateError(f"{folder / FORMAT_FILE}: holds {saved.get('optimizers')} optimizer states, this "
@@ -91,7 +93,7 @@ def load_training_state(folder: Path, optimizers, rank: int) -> bool:
     for i, optimizer in enumerate(optimizers):
         path = folder / optimizer_file(i)
         tensors, meta = _read_safetensors(path)
-        raw = _raw(optimizer)
+        raw = raw_optimizer(optimizer)
         try:
             state: dict[int, dict] = {}
             for key, tensor in tensors.items():
@@ -104,8 +106,11 @@ def load_training_state(folder: Path, optimizers, rank: int) -> bool:
                 for name, value in group.items():
                     if isinstance(live.get(name), tuple) and isinstance(value, list):
                         group[name] = tuple(value)
-            raw.load_state_dict({"state": state, "param_groups": groups})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if load is None:
+                raw.load_state_dict({"state": state, "param_groups": groups})
+            else:
+                load(optimizer, {"state": state, "param_groups": groups})
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise TrainingStateError(f"{path}: does not fit this run's optimizer ({type(e).__name__}: "
                                      f"{str(e).splitlines()[0] if str(e) else ''}): set output_dir to a new "
                                      "folder") from None

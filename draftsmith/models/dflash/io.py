@@ -55,7 +55,19 @@ def read_drafter_folder(path: str | Path) -> tuple[DflashDrafterConfig, dict[str
 
 def read_mask_embedding(path: Path, config: dict) -> torch.Tensor:
     """vLLM's `mask_embedding.pt`: a tensor, or {"mask_token_id": id, "embedding": tensor}; returns (H,)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    import pickle
+
+    try:  # torch's restricted loader: tensors, dicts and numbers only, no code
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        why = (f"{path}: not a torch file of tensors alone ({type(e).__name__}); draftsmith never unpickles "
+               "objects from a drafter folder (they can run code): save the vector alone, torch.save({"
+               "'mask_token_id': ID, 'embedding': tensor}), as vLLM writes it")
+        raise DrafterLoadError(why) from None
+    if isinstance(state, dict) and not isinstance(state.get("embedding"), torch.Tensor):
+        raise DrafterLoadError(f"{path}: a dict without an 'embedding' tensor (keys {sorted(map(str, state))[:6]})")
+    if not isinstance(state, (dict, torch.Tensor)):
+        raise DrafterLoadError(f"{path}: holds a {type(state).__name__}, not the mask embedding tensor")
     if isinstance(state, dict):
         want = (config.get("dflash_config") or {}).get("mask_token_id")
         if state.get("mask_token_id", want) != want:

@@ -43,6 +43,21 @@ class EagleConfig:
     pad_token_id: int | None = None
     method: str = METHOD
 
+    def __post_init__(self) -> None:
+        """The layer transformers builds from these sizes must exist: refused here in one line (a ValueError the
+        readers name the file in), not as transformers' validation traceback."""
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "vocab_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EAGLE config: {key} {value!r} must be a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"EAGLE config: hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"EAGLE config: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+
     @classmethod
     def from_target(cls, target: PretrainedConfig, fc_bias: bool = False, target_name_or_path: str = ""
                     ) -> "EagleConfig":

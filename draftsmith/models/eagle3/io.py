@@ -46,6 +46,10 @@ from draftsmith.models.eagle3.speculators import (
 )
 from draftsmith.models.target_files import load_target_embedding, read_target_config
 
+# The most draft tokens per step an imported speculators config may ask to serve with (its speculative_tokens): the
+# engines verify k + 1 tokens a step, and published drafters use 3 to 8
+MAX_IMPORTED_K = 32
+
 def read_public_eagle3(
     cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target_config: dict[str, Any] | None = None
 ) -> tuple[Eagle3Config, dict[str, torch.Tensor], list[str]]:
@@ -81,7 +85,31 @@ def read_drafter_folder(path: str | Path) -> tuple[Eagle3Config, dict[str, torch
     problem = size_mismatch(meta_shapes(lambda: Eagle3Drafter(config)), tensors, cfg, config_path, weights_path)
     if problem:  # before anything builds the drafter: absurd sizes would allocate them first
         raise DrafterLoadError(problem)
+    problems = checked_against_config(config, tensors)  # the rules import applies (the vocabulary maps too)
+    if problems:
+        raise DrafterLoadError(f"{weights_path}: tensors do not match {config_path}: " + "; ".join(problems))
     return config, tensors
+
+
+def checked_against_config(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """What is wrong with draftsmith-named tensors for `config`: names, shapes, dtypes and the vocabulary maps
+    (d2t, t2d), the one validation of import and of the runtime loader."""
+    flat = {**config.to_dict(), AUX_IDS_KEY: config.aux_layer_ids}
+    return check_state_dict(flat, expected_native_shapes(flat), tensors)
+
+
+def proposal_length(speculators: dict[str, Any], where: Path) -> int | None:
+    """speculators' speculative_tokens (the k its export serves with), checked: an integer in 1..MAX_IMPORTED_K."""
+    methods = speculators.get("proposal_methods")
+    if not (isinstance(methods, list) and methods and isinstance(methods[0], dict)):
+        return None
+    k = methods[0].get("speculative_tokens")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_IMPORTED_K:
+        raise CheckpointImportError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens {k!r}: "
+                                    f"expected an integer in 1..{MAX_IMPORTED_K}")
+    return k
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> Eagle3Drafter:
@@ -110,8 +138,7 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         notes.append(f"target {target_name!r} not found locally (folder or Hugging Face cache); its layer count and "
                      "architectures were taken from the drafter's config")
 
-    flat = {**config.to_dict(), AUX_IDS_KEY: config.aux_layer_ids}
-    problems = check_state_dict(flat, expected_native_shapes(flat), state)
+    problems = checked_against_config(config, state)
     if problems:
         raise CheckpointImportError(f"{folder}: tensors do not match the config: " + "; ".join(problems))
     if EMBED_KEY in tensors and target_name:
@@ -119,8 +146,5 @@ def import_folder(folder: Path, public: dict[str, Any], target: str | None) -> I
         if embedding is not None and not torch.equal(embedding.to(tensors[EMBED_KEY].dtype), tensors[EMBED_KEY]):
             notes.append(f"the drafter's {EMBED_KEY} differs from the target's; draftsmith drafts with the target's "
                          "embedding, as vLLM and SGLang do")
-    methods = speculators.get("proposal_methods")
-    k = methods[0].get("speculative_tokens") if isinstance(methods, list) and methods and \
-        isinstance(methods[0], dict) else None
     return ImportedCheckpoint(config=config.to_dict(), tensors=state, notes=notes, step=provenance_step(public),
-                              num_speculative_tokens=k if isinstance(k, int) and k > 0 else None)
+                              num_speculative_tokens=proposal_length(speculators, folder / CONFIG_FILE))

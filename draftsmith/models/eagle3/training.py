@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +125,8 @@ class TTTOptions:
     def from_recipe(cls, training, device, head_dim: int) -> TTTOptions:
         return cls(attention=resolve_backend(training.ttt_attention, device, head_dim),
                    query_block=training.ttt_query_block, recompute=training.checkpoint_ttt_steps,
-                   compile=auto_compile(device) if training.compile_drafter == "auto" else training.compile_drafter)
+                   compile=(auto_compile(device, training.sharding) if training.compile_drafter == "auto"
+                            else training.compile_drafter))
 
 
 class TrainingTTTKernels:
@@ -167,12 +167,12 @@ def with_relative_noise(aux_hidden: torch.Tensor, num_layers: int, width: float)
     return noisy.flatten(-2).to(aux_hidden.dtype)
 
 
-def auto_compile(device) -> bool:
-    """`training.compile_drafter: auto`: compiled on CUDA and ROCm (device.compiled_drafter), but not under FSDP or
-    DeepSpeed, where it has not been measured (`accelerate launch` marks them in the environment)."""
-    sharded = any(os.environ.get(key, "").lower() in ("true", "1")
-                  for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
-    return dev.compiled_drafter(device) and not sharded
+def auto_compile(device, sharding: str = "auto") -> bool:
+    """`training.compile_drafter: auto`: compiled on CUDA and ROCm (device.compiled_drafter), but not under FSDP2 or
+    DeepSpeed (training.sharding, or the accelerate launcher's config), where it has not been measured."""
+    from draftsmith.distributed import requested_sharding
+
+    return dev.compiled_drafter(device) and requested_sharding(sharding)[0] == "ddp"
 
 
 def _unwrap(module):

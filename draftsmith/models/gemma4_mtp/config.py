@@ -65,6 +65,16 @@ class Gemma4MtpConfig:
                              f"{self.assistant_config.get('backbone_hidden_size')} != {self.backbone_hidden_size}")
         if self.num_steps < 1:
             raise ValueError("Gemma 4 MTP config: num_steps must be >= 1")
+        if self.assistant_config.get("use_ordered_embeddings"):  # the same rules at import and at load
+            centroids = self.assistant_config.get("num_centroids")
+            top = self.assistant_config.get("centroid_intermediate_top_k")
+            if isinstance(centroids, bool) or not isinstance(centroids, int) or centroids < 1 \
+                    or self.vocab_size % centroids:
+                raise ValueError(f"Gemma 4 MTP config: num_centroids {centroids!r} must be a positive integer "
+                                 f"dividing vocab_size {self.vocab_size}")
+            if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= centroids:
+                raise ValueError(f"Gemma 4 MTP config: centroid_intermediate_top_k {top!r} must be an integer in "
+                                 f"1..num_centroids ({centroids})")
 
     @classmethod
     def from_assistant(cls, assistant_config: Mapping[str, Any], **kwargs) -> "Gemma4MtpConfig":

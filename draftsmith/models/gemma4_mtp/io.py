@@ -23,6 +23,7 @@ from draftsmith.models.checkpoint import (
     CheckpointError,
     CheckpointImportError,
     ImportedCheckpoint,
+    check_finite,
     check_tensors,
     load_folder_tensors,
     module_shapes,
@@ -84,6 +85,7 @@ def read_folder(path: str | Path) -> tuple[Gemma4MtpConfig, dict[str, torch.Tens
             config = Gemma4MtpConfig.from_dict(raw)
             config_file, weights = ckpt / CONFIG_FILE, ckpt / WEIGHTS_FILE
             tensors = load_file(str(weights))
+            check_finite(tensors, weights, Gemma4MtpLoadError)
     except (CheckpointError, CheckpointImportError) as e:
         raise Gemma4MtpLoadError(str(e)) from None
     except (TypeError, ValueError) as e:
@@ -100,6 +102,12 @@ def read_folder(path: str | Path) -> tuple[Gemma4MtpConfig, dict[str, torch.Tens
     problem = size_mismatch(expected, tensors, raw, config_file, weights)
     if problem:  # before anything builds the drafter: absurd sizes would allocate them first
         raise Gemma4MtpLoadError(problem)
+    order = tensors.get("masked_embedding.token_ordering")
+    if order is not None and not order.is_floating_point() and order.numel() and (
+            int(order.min()) < 0 or int(order.max()) >= config.vocab_size):
+        raise Gemma4MtpLoadError(f"{weights}: masked_embedding.token_ordering holds ids in "
+                                 f"{int(order.min())}..{int(order.max())}, outside the vocabulary "
+                                 f"0..{config.vocab_size - 1}")
     return config, tensors
 
 

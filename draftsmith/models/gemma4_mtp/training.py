@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith import distributed
 from draftsmith.kernels.chunked_loss import loss_chunk_rows
 from draftsmith.models.gemma4_mtp.config import TARGET_MODEL_TYPES, Gemma4MtpConfig, source_layers
 from draftsmith.models.gemma4_mtp.io import drafter_from, read_folder
@@ -86,7 +87,8 @@ class Gemma4MtpMethod:
         with torch.no_grad():
             for kind, index in self.sources.items():
                 cos, sin = decoder.rotary_emb(entering[index], positions, kind)
-                kv[kind] = target_kv(self.target.layers[index], entering[index], cos, sin)
+                with distributed.gathered(self.target.layers[index]) as layer:  # sharded with training.shard_target
+                    kv[kind] = target_kv(layer, entering[index], cos, sin)
         return captured.last_hidden, kv
 
     def loss(self, drafter, batch: dict[str, torch.Tensor], features):

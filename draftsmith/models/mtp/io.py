@@ -8,7 +8,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_json, resolve_checkpoint
+from draftsmith.models.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    check_finite,
+    read_json,
+    resolve_checkpoint,
+)
 from draftsmith.models.mtp.config import METHOD, MtpDrafterConfig
 from draftsmith.models.mtp.model import MtpDrafter
 from draftsmith.models.mtp.native import NativeMtpError, find_native_mtp, stack_experts
@@ -35,7 +42,9 @@ def read_mtp_folder(path: str | Path) -> tuple[MtpDrafterConfig, dict[str, torch
             config = MtpDrafterConfig.from_dict(raw)
         except (TypeError, ValueError) as e:
             raise MtpLoadError(f"{ckpt / CONFIG_FILE}: {e}") from None
-        return config, load_file(str(ckpt / WEIGHTS_FILE))
+        tensors = load_file(str(ckpt / WEIGHTS_FILE))
+        check_finite(tensors, ckpt / WEIGHTS_FILE, MtpLoadError)
+        return config, tensors
 
     from transformers import AutoConfig
 

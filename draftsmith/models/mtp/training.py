@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith import distributed
 from draftsmith.kernels.fused_head_loss import resolve_backend as resolve_loss_kernel
 from draftsmith.models.flops import target_forward_flops, with_total
 from draftsmith.models.mtp.config import MtpDrafterConfig
@@ -79,7 +80,8 @@ class MtpMethod:
         """An fp32 drafter: native MTP weights when present, else freshly initialised modules (on the fixture,
         fresh modules learned faster than blocks copied from the target's last layer or its final norm).
         d2t / t2d are ignored: MTP predicts over the full vocabulary with the target's own head."""
-        layer_cls = type(self.target.layers[self.config.block_layer_idx])
+        # the class it was built as (training.shard_target makes it an FSDP2 subclass)
+        layer_cls = distributed.module_class(self.target.layers[self.config.block_layer_idx])
         drafter = MtpDrafter(self.config, layer_cls=layer_cls)
         if self.init_from_native:
             drafter.load_state_dict(self.native.drafter_state_dict(self.config.num_modules, drafter))
