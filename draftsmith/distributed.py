@@ -30,13 +30,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-KINDS = ("ddp", "fsdp2", "deepspeed")
-
-
-class ShardingError(ValueError):
-    """A sharding the run cannot do (one line, before the target loads)."""
-
-
 def launcher_sharding(environ=os.environ) -> tuple[str, str]:
     """(the sharding accelerate's launcher config asks for, where it says so): ("fsdp2", ...), ("fsdp1", ...),
     ("deepspeed", ...) or ("ddp", "")."""
