@@ -405,6 +405,8 @@ def test_spec_config_builds_tree_proposers(tmp_path, tiny_llama):
     torch.manual_seed(0)
     drafter = Eagle3Drafter(Eagle3Config.from_target(config, 64))
     drafter.d2t.copy_(torch.arange(64) * 3 - torch.arange(64))
+    drafter.t2d.zero_()
+    drafter.t2d[torch.arange(64) * 3] = True  # the same draft vocabulary as d2t: the loader checks the pair
     tensors = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
     tmp_path.mkdir(exist_ok=True)
     save_safetensors_atomic(tensors, tmp_path / "model.safetensors")
