@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+
 def launcher_sharding(environ=os.environ) -> tuple[str, str]:
     """(the sharding accelerate's launcher config asks for, where it says so): ("fsdp2", ...), ("fsdp1", ...),
     ("deepspeed", ...) or ("ddp", "")."""
@@ -54,12 +55,12 @@ def requested_sharding(setting: str, environ=os.environ) -> tuple[str, str]:
 def launcher_fsdp_hidden(environ=os.environ) -> Iterator[None]:
     """accelerate's Accelerator built without the launcher's FSDP switch: draftsmith shards with fully_shard itself
     (on every device alike), so accelerate runs its plain multi-process mode and must not wrap the drafter again."""
-    keys = [k for k in environ if k == "ACCELERATE_USE_FSDP"]
-    saved = {k: environ.pop(k) for k in keys}
+    saved = environ.pop("ACCELERATE_USE_FSDP", None)
     try:
         yield
     finally:
-        environ.update(saved)
+        if saved is not None:
+            environ["ACCELERATE_USE_FSDP"] = saved
 
 
 def device_mesh(device: torch.device):
@@ -170,14 +171,13 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict on the CPU. Under FSDP2 every process calls it (a gather) and only the main process
-    gets the tensors (the others an empty dict)."""
+    """The whole state dict (the caller moves it to the CPU). Under FSDP2 every process calls it (a gather, onto
+    the CPU) and only the main process gets the tensors (the others an empty dict)."""
     if not is_sharded(model):
-        return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().contiguous() for k, v in gathered.items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -194,8 +194,10 @@ def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tup
     return missing, unexpected
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+def _names_in_group_order(model: nn.Module, optimizer) -> list[str]:
+    """The optimizer's parameters by their names in `model`, in the order torch's plain layout numbers them."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def optimizer_state(model: nn.Module, optimizer) -> dict:
@@ -210,8 +212,7 @@ def optimizer_state(model: nn.Module, optimizer) -> dict:
                                                                                    cpu_offload=True))
     if not by_name:  # gathered to the main process only
         return {}
-    names = [_param_names(model)[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    number = {name: i for i, name in enumerate(names)}
+    number = {name: i for i, name in enumerate(_names_in_group_order(model, optimizer))}
     groups, start = [], 0
     for live, saved in zip(optimizer.param_groups, by_name["param_groups"]):
         groups.append({**{k: v for k, v in saved.items() if k != "params"},
@@ -227,7 +228,7 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    names = [_param_names(model)[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    names = _names_in_group_order(model, optimizer)
     by_name = {"state": {names[int(i)]: entries for i, entries in state["state"].items()},
                "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
                                 for group in state["param_groups"]]}

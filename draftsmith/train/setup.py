@@ -254,9 +254,10 @@ def check_sharding(recipe: Recipe, kind: str, source: str, environ=os.environ) -
         if cfg.shard_target:
             raise TrainingError(f"training.shard_target with {source}: the target is sharded with FSDP2, next to a "
                                 "drafter under FSDP2 or DDP: use recipes/accelerate/fsdp.yaml")
-    if cfg.shard_target and store_folder(recipe):
+    store = store_folder(recipe) if cfg.shard_target else None
+    if store:
         raise TrainingError("training.shard_target: the target's layers do not run when training reads the store "
-                            f"{store_folder(recipe)}: set training.shard_target=false")
+                            f"{store}: set training.shard_target=false")
 
 
 def check_processes(recipe: Recipe, kind: str, source: str, accelerator) -> None:

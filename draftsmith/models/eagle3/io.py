@@ -50,6 +50,7 @@ from draftsmith.models.target_files import load_target_embedding, read_target_co
 # engines verify k + 1 tokens a step, and published drafters use 3 to 8
 MAX_IMPORTED_K = 32
 
+
 def read_public_eagle3(
     cfg: dict[str, Any], tensors: dict[str, torch.Tensor], target_config: dict[str, Any] | None = None
 ) -> tuple[Eagle3Config, dict[str, torch.Tensor], list[str]]:
