@@ -249,15 +249,16 @@ class TrainingConfig(BaseModel):
     # a real run's thousands, and far longer than any flat stretch of a run that learns (its loss moves at every
     # logged step); null: only warn.
     stop_when_stuck_steps: int | None = Field(200, ge=1)
-    # Resume a checkpoint whose training_state/ holds pickles (FSDP and DeepSpeed runs, saved by accelerate; folders
-    # written before draftsmith kept its own state in safetensors and JSON): loading a pickle can run code, so
-    # only for a run folder you trust (train/state.py)
+    # Resume a checkpoint whose training_state/ holds accelerate's pickles (folders written before draftsmith kept
+    # its own state in safetensors and JSON for every sharding): loading a pickle can run code, so only for a run
+    # folder you trust (train/state.py)
     trust_run_folder: bool = False
     # How the drafter is spread over the processes (draftsmith/distributed.py): fsdp2 shards its parameters,
-    # gradients and optimizer state with torch's fully_shard (on GPUs, NPUs and CPUs alike); ddp keeps a whole copy
-    # on every process; auto: what the accelerate launcher config asks (recipes/accelerate/fsdp.yaml: fsdp2; a
-    # DeepSpeed config: accelerate's DeepSpeed, GPUs only), else ddp
-    sharding: Literal["auto", "ddp", "fsdp2"] = "auto"
+    # gradients and optimizer state with torch's fully_shard; zero1 / zero2 partition its optimizer state / and
+    # gradients with DeepSpeed ZeRO (GPUs, NPUs and CPUs alike, both; zero3 is refused: distributed.py says why);
+    # ddp keeps a whole copy on every process; auto: what the accelerate launcher config asks
+    # (recipes/accelerate/fsdp.yaml: fsdp2; deepspeed_zero2.yaml: its zero_stage), else ddp
+    sharding: Literal["auto", "ddp", "fsdp2", "zero1", "zero2", "zero3"] = "auto"
     # Online capture with the frozen target's decoder layers sharded over the processes (FSDP2, forward only), for a
     # target larger than one device; its embeddings, final norm and head stay whole on each
     shard_target: bool = False

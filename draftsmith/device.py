@@ -311,6 +311,14 @@ def compiled_drafter(device: torch.device | str) -> bool:
     return _triton_kernels(device, "DRAFTSMITH_COMPILE_DRAFTER")
 
 
+def compile_dynamic() -> bool | None:
+    """torch.compile's `dynamic` for the drafter's compiled training parts (EAGLE-3's step halves, FlexAttention):
+    None (torch's default: shapes static until one changes, then recompiled dynamic), or DRAFTSMITH_COMPILE_DYNAMIC=1
+    (dynamic from the first call) / 0 (static: one compilation per batch shape), for timing them side by side
+    (benchmarks/time_to_steady.py)."""
+    return {"1": True, "0": False}.get(os.environ.get("DRAFTSMITH_COMPILE_DYNAMIC", ""))
+
+
 def fused_loss_kernel(device: torch.device | str) -> bool:
     """Whether the head losses' Triton kernel (kernels/fused_head_loss.py) may run on `device`: CUDA and ROCm with
     Triton importable, unless DRAFTSMITH_FUSED_LOSS=0 (kernels/fused_head_loss.resolve_backend reads it). NPU and

@@ -1,30 +1,35 @@
 """Spreading the drafter (and the frozen target) over the processes of a run: which sharding a run asked for, and
-the torch calls that do it. draftsmith shards with FSDP2 (`torch.distributed.fsdp.fully_shard`); it writes no
-sharding of its own.
+the library calls that do it. draftsmith shards with FSDP2 (`torch.distributed.fsdp.fully_shard`) or DeepSpeed
+ZeRO (`deepspeed.initialize`); it writes no sharding of its own.
 
     ddp    every process holds the whole drafter and its optimizer state (accelerate's DistributedDataParallel)
     fsdp2  the drafter's parameters, gradients and optimizer state are DTensors sharded over the processes (one
            FSDP2 unit: shard_drafter says why)
+    zero1  DeepSpeed ZeRO stage 1 / 2: the optimizer state / and the gradients partitioned over the processes
+    zero2  (deepspeed_engine); ZeRO-3 is refused (deepspeed_engine says why): FSDP2 shards the parameters
 
 A run asks for sharding with `training.sharding`, or, left at `auto`, with accelerate's launcher config (`accelerate
-launch --config_file recipes/accelerate/fsdp.yaml`, which sets ACCELERATE_USE_FSDP and FSDP_VERSION). draftsmith
-calls `fully_shard` itself on every device, so the CPU (gloo) runs of the tests are the very code a GPU run takes:
-accelerate's multi-CPU mode has no FSDP, and would otherwise train plain DDP without a word. accelerate still
-launches the processes, owns the process group, autocast and gradient accumulation. DeepSpeed ZeRO is accelerate's
-own path (GPUs only, not run by draftsmith's tests; its checkpoints are accelerate's pickles).
+launch --config_file recipes/accelerate/fsdp.yaml`, which sets ACCELERATE_USE_FSDP and FSDP_VERSION;
+deepspeed_zero2.yaml, which sets ACCELERATE_USE_DEEPSPEED and its stage). draftsmith calls `fully_shard` and
+`deepspeed.initialize` itself on every device, so the CPU (gloo) runs of the tests are the very code a GPU run
+takes: accelerate's multi-CPU mode has no FSDP, and its DeepSpeed on a CPU gives every process a world of one;
+both would train something else without a word. accelerate still launches the processes, owns the process group,
+autocast and the accumulation count.
 
 The frozen target can be sharded too (`training.shard_target`): FSDP2 over its decoder layers alone, forward only;
 its embeddings, final norm and head stay whole on every process, since the losses read them outside the forward
 (models/target.py `TargetModel.sharded`).
 
 Checkpoints of a sharded drafter hold gathered full tensors in draftsmith's files (safetensors and JSON), written
-by the main process: the same files as a DDP or one-process run, so any of them resumes under any world size.
+by the main process: the same files as a DDP or one-process run, so any of them resumes under any world size and
+any sharding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -33,13 +38,14 @@ from torch import nn
 
 def launcher_sharding(environ=os.environ) -> tuple[str, str]:
     """(the sharding accelerate's launcher config asks for, where it says so): ("fsdp2", ...), ("fsdp1", ...),
-    ("deepspeed", ...) or ("ddp", "")."""
+    ("zero1" / "zero2" / "zero3", ...), ("deepspeed", ...) for another ZeRO stage, or ("ddp", "")."""
     if environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1"):
         version = environ.get("FSDP_VERSION", "1")
         return ("fsdp2" if version == "2" else "fsdp1"), f"the accelerate launcher config (fsdp_version: {version})"
     if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("true", "1"):
         stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "?")
-        return "deepspeed", f"the accelerate launcher config (DeepSpeed zero_stage: {stage})"
+        kind = f"zero{stage}" if stage in ("1", "2", "3") else "deepspeed"  # "deepspeed": a stage it cannot run
+        return kind, f"the accelerate launcher config (DeepSpeed zero_stage: {stage})"
     return "ddp", ""
 
 
@@ -51,16 +57,20 @@ def requested_sharding(setting: str, environ=os.environ) -> tuple[str, str]:
     return kind, source or "training.sharding=auto"
 
 
+ZERO_STAGES = {"zero1": 1, "zero2": 2}  # what deepspeed_engine runs; "zero3" is asked for, and refused
+LAUNCHER_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+
+
 @contextlib.contextmanager
-def launcher_fsdp_hidden(environ=os.environ) -> Iterator[None]:
-    """accelerate's Accelerator built without the launcher's FSDP switch: draftsmith shards with fully_shard itself
-    (on every device alike), so accelerate runs its plain multi-process mode and must not wrap the drafter again."""
-    saved = environ.pop("ACCELERATE_USE_FSDP", None)
+def launcher_sharding_hidden(environ=os.environ) -> Iterator[None]:
+    """accelerate's Accelerator built without the launcher's FSDP and DeepSpeed switches: draftsmith shards with
+    fully_shard or deepspeed.initialize itself (on every device alike), so accelerate runs its plain multi-process
+    mode and must not wrap the drafter again."""
+    saved = {name: environ.pop(name) for name in LAUNCHER_SWITCHES if name in environ}
     try:
         yield
     finally:
-        if saved is not None:
-            environ["ACCELERATE_USE_FSDP"] = saved
+        environ.update(saved)
 
 
 def device_mesh(device: torch.device):
@@ -170,9 +180,17 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def gathers(model: nn.Module) -> bool:
+    """Whether saving `model` takes every process (its weights or optimizer state are spread over them)."""
+    return is_sharded(model) or is_zero(model)
+
+
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict (the caller moves it to the CPU). Under FSDP2 every process calls it (a gather, onto
-    the CPU) and only the main process gets the tensors (the others an empty dict)."""
+    the CPU) and only the main process gets the tensors (the others an empty dict); under ZeRO every process calls
+    it and gets them (DeepSpeed's fp32 master weights, gathered)."""
+    if is_zero(model):
+        return _zero_weights(model)
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -204,6 +222,8 @@ def optimizer_state(model: nn.Module, optimizer) -> dict:
     """The optimizer's state in torch's plain layout (parameters numbered in group order), whole tensors: the same
     under FSDP2 (gathered: every process calls it, the main process gets it, the others an empty dict) as under
     DDP or one process, so one checkpoint resumes under either."""
+    if is_zero(model):
+        return _zero_optimizer_state(model, optimizer)
     if not is_sharded(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -233,3 +253,127 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
                "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
                                 for group in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+# ---- DeepSpeed ZeRO --------------------------------------------------------------------------------------------------
+# The parameter names of each group of an optimizer handed to DeepSpeed, in order: ZeRO swaps a group's parameters
+# for one flat partition, and the checkpoint numbers them as torch's plain layout does (optimizer_state).
+_ZERO_GROUP_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def is_zero(model: nn.Module) -> bool:
+    """Whether `model` (the drafter inside a DeepSpeed engine) is partitioned by ZeRO: its parameters carry
+    DeepSpeed's map to their fragment of the fp32 partitions."""
+    return any(hasattr(p, "_hp_mapping") for p in model.parameters())
+
+
+def deepspeed_engine(drafter: nn.Module, optimizer: torch.optim.Optimizer, stage: int, grad_accum: int,
+                     max_grad_norm: float):
+    """`drafter` and its (built, maybe resumed) optimizer handed to DeepSpeed ZeRO stage 1 or 2; returns the
+    engine, which the loop calls, backpropagates through and steps (`zero_step`). Called after a resume: the plain
+    optimizer's per-parameter state is carried into ZeRO's partitions, so a checkpoint of any sharding resumes.
+
+    Not stage 3: ZeRO-3 gathers a module's parameters around its forward and backward by hooks, and every method's
+    drafter uses its weights where those hooks do not hold them (the loss inside the forward, its head's gradient
+    taken there, TTT steps reusing a layer). Tried with the whole drafter one ZeRO-3 leaf module (as FSDP2's one
+    unit): DeepSpeed 0.19.8 had partitioned a weight again before its gradient was accumulated, even for two
+    Linear layers whose loss is computed inside the forward. FSDP2 shards the parameters on every device instead."""
+    import logging
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)  # its INFO lines are a page per process
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # the process group accelerate made
+    with torch.no_grad():
+        for tensor in [*drafter.parameters(), *drafter.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    name_of = {id(p): name for name, p in drafter.named_parameters()}
+    group_names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    carried = {name_of[id(p)]: dict(entries) for p, entries in optimizer.state.items()}
+    optimizer.state.clear()  # ZeRO keeps the state of its flat partitions, built below
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": grad_accum,
+              "gradient_clipping": max_grad_norm, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=drafter, optimizer=optimizer, config=config)
+    _ZERO_GROUP_NAMES[optimizer] = group_names
+    if carried:
+        _load_zero_optimizer_state(drafter, optimizer, engine.optimizer, carried)
+    return engine
+
+
+def zero_partitions(engine) -> list[torch.Tensor]:
+    """The flat fp32 partitions this process's optimizer steps under ZeRO (what DeepSpeed's own checkpoints save
+    as its fp32 groups)."""
+    return list(engine.optimizer.single_partition_of_fp32_groups)
+
+
+def accumulation_model(model: nn.Module) -> nn.Module:
+    """The model accelerate's `accumulate` may call no_sync on: a DeepSpeed engine accumulates and reduces its
+    gradients itself (zero_step), so accelerate gets the drafter inside it."""
+    return model.module if _is_engine(model) else model
+
+
+def zero_step(engine, loss: torch.Tensor, sync: bool) -> torch.Tensor | None:
+    """Backward and, where the accumulation cycle ends (`sync`, accelerate's count), DeepSpeed's step: clipping to
+    its gradient_clipping, the optimizer step, the gradients zeroed. Returns the step's gradient norm before
+    clipping (as clip_grad_norm_ does), None inside a cycle. The loss is divided by the accumulation steps by
+    DeepSpeed, as accelerate's backward does."""
+    engine.set_gradient_accumulation_boundary(sync)
+    engine.backward(loss)
+    engine.step()
+    if not sync:
+        return None
+    norm = engine.get_global_grad_norm()
+    return torch.as_tensor(norm, dtype=torch.float32, device=loss.device)
+
+
+def _is_engine(model) -> bool:
+    return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
+
+
+def _zero_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = model.state_dict()  # the buffers, and the parameters replaced by their fp32 masters below
+    for name, param in model.named_parameters(remove_duplicate=False):
+        weights[name] = safe_get_full_fp32_param(param).cpu()
+    return weights
+
+
+def _zero_optimizer_state(model: nn.Module, optimizer) -> dict:
+    """ZeRO's partitioned optimizer state gathered whole (every process calls it) in torch's plain layout."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    params = dict(model.named_parameters())
+    flat_states = list(optimizer.state.values())  # one per flat partition, once a step has run
+    keys = [k for k, v in flat_states[0].items() if torch.is_tensor(v) and v.dim() > 0] if flat_states else []
+    state, groups, index = {}, [], 0
+    for group, names in zip(optimizer.param_groups, _ZERO_GROUP_NAMES[optimizer]):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(index, index + len(names)))})
+        for name in names:
+            if flat_states:
+                state[index] = {"step": torch.as_tensor(flat_states[0]["step"]).clone().cpu(),
+                                **{key: safe_get_full_optimizer_state(params[name], key).cpu() for key in keys}}
+            index += 1
+    return {"state": state, "param_groups": groups}
+
+
+def _load_zero_optimizer_state(model: nn.Module, optimizer, zero_optimizer, carried: dict[str, dict]) -> None:
+    """A plain optimizer's per-parameter state (loaded from a checkpoint before DeepSpeed took it) into ZeRO's
+    partitions: each flat partition's state made as torch's first step would, linked to its parameters' fragments
+    (as DeepSpeed does after its first step), then filled from the whole tensors."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_set_full_optimizer_state
+
+    first = next(iter(carried.values()))
+    keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+    for params, flat in zip(zero_optimizer.bit16_groups, zero_optimizer.single_partition_of_fp32_groups):
+        optimizer.state[flat] = {"step": torch.as_tensor(first["step"]).clone(),
+                                 **{key: torch.zeros_like(flat) for key in keys}}
+        lazy_init_hp_params_optimizer_state(params, flat, optimizer.state)
+    params = dict(model.named_parameters())
+    for name, entries in carried.items():
+        for key in keys:
+            safe_set_full_optimizer_state(params[name], entries[key].to(params[name].device), key)

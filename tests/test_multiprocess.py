@@ -25,12 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_on_two_processes(recipe_path, *overrides, script=None, expect_ok=True):
-    """torchrun with two processes; ACCELERATE_USE_CPU makes accelerate's multi-CPU (gloo) data parallelism."""
+def train_on_two_processes(recipe_path, *overrides, script=None, expect_ok=True, launcher_config=None):
+    """torchrun with two processes; ACCELERATE_USE_CPU makes accelerate's multi-CPU (gloo) data parallelism. With
+    `launcher_config`, the user's command instead: accelerate launch --config_file CONFIG (no --cpu)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     entry = [str(script)] if script else ["-m", "draftsmith.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *entry, str(recipe_path), *overrides]
+    if launcher_config is not None:
+        env.pop("ACCELERATE_USE_CPU")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher_config),
+               "--num_processes", "2", "--main_process_port", str(free_port()), *entry, str(recipe_path),
+               *overrides]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if expect_ok:
         assert run.returncode == 0, run.stderr[-3000:]

@@ -77,16 +77,22 @@ class FakeClock:
     `step_seconds` for a training micro-batch and `eval_batch_seconds` for an evaluation batch (`timed_loss`). The
     probe's step time and every plan then follow from those figures and the budget alone."""
 
-    def __init__(self, step_seconds: float, eval_batch_seconds: float):
+    def __init__(self, step_seconds: float, eval_batch_seconds: float, seconds_of=None):
         self.now = 1_000_000.0
         self.step_seconds, self.eval_batch_seconds = step_seconds, eval_batch_seconds
+        self.seconds_of = seconds_of or (lambda micro_batch: step_seconds)  # the n-th training micro-batch's (1-based)
+        self.micro_batches = 0
 
     def time(self):
         return self.now
 
     def timed_loss(self, real_loss):
         def loss(method, drafter, batch, features):
-            self.now += self.step_seconds if drafter.training else self.eval_batch_seconds
+            if drafter.training:
+                self.micro_batches += 1
+                self.now += self.seconds_of(self.micro_batches)
+            else:
+                self.now += self.eval_batch_seconds
             return real_loss(method, drafter, batch, features)
 
         return loss
@@ -122,7 +128,7 @@ def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fi
         return step + math.floor((seconds_left * (1 - SAFETY_MARGIN) - eval_seconds) / clock.step_seconds)
 
     first = next(line for line in lines if line.startswith("time budget 2.0 min:"))
-    assert f"{step_ms} over probe steps 2..3" in first  # the probe measured the clock's step time
+    assert f"{step_ms} (median of probe steps 3..4)" in first  # the probe measured the clock's step time
     assert f"cosine schedule to step {planned_total(4)}," in first
     replans = [line for line in lines if line.startswith("time budget: re-planned at step")]
     assert len(replans) == 2  # re-fitted twice, each to the same deadline
@@ -140,6 +146,66 @@ def test_time_budget_plans_the_schedule_and_ends_it_at_the_deadline(tmp_path, fi
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     assert all(lr[s] == 0.0 for s in range(1, 4)) and lr[5] > 0
     assert lr[plan["total"]] == pytest.approx(0.0, abs=1e-12)
+
+
+def budget_run(tmp_path, fixture_target_dir, monkeypatch, clock, **training):
+    """A tiny EAGLE-3 run under a time budget on `clock`; (its log lines, its last trainer_state.json)."""
+    from draftsmith.models.eagle3.training import Eagle3Method
+    from test_train import tiny_random_target
+
+    monkeypatch.setattr(budget_mod, "time", clock)
+    monkeypatch.setattr(loop_mod, "time", clock)
+    monkeypatch.setattr(Eagle3Method, "loss", clock.timed_loss(Eagle3Method.loss))
+    target = tiny_random_target(tmp_path / "target", fixture_target_dir)
+    data = write_conversations(tmp_path / "conv.jsonl")
+    lines = []
+    recipe = tiny_recipe(target, data, tmp_path, max_steps=None, epochs=1000, grad_accum_steps=1, eval_every=10**6,
+                         save_every=10**6, warmup_ratio=0.1, **training)
+    recipe.data.eval_samples = 0
+    train(recipe, log=lines.append)
+    run = tmp_path / "run"
+    return lines, json.loads((run / (run / "latest").read_text().strip() / "trainer_state.json").read_text())
+
+
+def test_a_probe_whose_first_steps_compile_plans_from_its_steady_steps(tmp_path, fixture_target_dir, monkeypatch):
+    """Issue 47 item 15 on a fake clock: the first three steps take 35 s (compilation), the rest 126 ms, a 3.2 min
+    budget and a 10-step probe. The plan is made from the steady 126 ms (the median of probe steps 6..10), the 105 s
+    to the first steady step are printed, and the run fills the budget (the old mean over probe steps 2..9 said
+    4,984 ms and cut the run to 17 steps)."""
+    from draftsmith.train.optim import SAFETY_MARGIN
+
+    clock = FakeClock(0.126, 0.0, seconds_of=lambda n: 35.0 if n <= 3 else 0.126)
+    lines, state = budget_run(tmp_path, fixture_target_dir, monkeypatch, clock, max_minutes=3.2, time_probe_steps=10)
+    first = next(line for line in lines if line.startswith("time budget 3.2 min:"))
+    assert "126.0 ms/step (median of probe steps 6..10)" in first, first
+    assert first.endswith("; steady from step 4, 105.0 s after the first step began (compilation, warm-up)"), first
+    seconds_left = 3.2 * 60 - 3 * 35.0 - 7 * 0.126
+    planned = 10 + math.floor(seconds_left * (1 - SAFETY_MARGIN) / 0.126)
+    assert f"cosine schedule to step {planned}," in first, first
+    assert state["step"] == state["plan"]["total"] >= planned - 5  # re-fits keep it at the deadline
+
+
+def test_a_step_time_that_drops_after_the_probe_is_re_planned_at_once(tmp_path, fixture_target_dir, monkeypatch):
+    """Compilation that outlasts the probe: every probe step takes 2 s (each a new shape), the steps after it 1 s.
+    Five steps after the probe the step time is checked and the plan re-fitted to the budget at once, instead of
+    ending at half the steps that fit (a plan that short has no later re-fit)."""
+    from draftsmith.train.budget import EARLY_CHECK_STEPS
+    from draftsmith.train.optim import SAFETY_MARGIN
+
+    clock = FakeClock(1.0, 0.0, seconds_of=lambda n: 2.0 if n <= 4 else 1.0)
+    lines, state = budget_run(tmp_path, fixture_target_dir, monkeypatch, clock, max_minutes=1.0, time_probe_steps=4)
+    first = next(line for line in lines if line.startswith("time budget 1.0 min:"))
+    probe_plan = 4 + math.floor((60 - 4 * 2.0) * (1 - SAFETY_MARGIN) / 2.0)
+    assert "2000.0 ms/step" in first and first.endswith(f"cosine schedule to step {probe_plan}"), first
+    assert "re-planned at step" not in first  # too short a plan for a later re-fit
+    check = 4 + EARLY_CHECK_STEPS
+    early = next(line for line in lines if "not the probe's" in line)
+    assert early.startswith(f"time budget: 1000.0 ms/step over steps 5..{check}, not the probe's 2000.0: "
+                            f"re-planned at step {check}"), early
+    seconds_left = 60 - 4 * 2.0 - EARLY_CHECK_STEPS * 1.0
+    planned = check + math.floor(seconds_left * (1 - SAFETY_MARGIN) / 1.0)
+    assert early.endswith(f"schedule to step {planned}"), early
+    assert state["step"] == state["plan"]["total"] and abs(state["step"] - planned) <= 1  # a later re-fit may move it
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():

@@ -1,10 +1,12 @@
-"""FSDP2 on two CPU processes (gloo, torchrun: the very code a GPU run takes, draftsmith/distributed.py): the drafter
-sharded trains as one process does on the same global batch; the frozen target sharded over the processes captures
-the unsharded target's states; a sharded run's checkpoint (safetensors + JSON, no pickle) resumes under 1 and 2
-processes; a sharding the run cannot do is one line before the target loads.
+"""FSDP2 and DeepSpeed ZeRO-2 on two CPU processes (gloo, torchrun: the very code a GPU run takes,
+draftsmith/distributed.py): the drafter sharded trains as one process does on the same global batch; the frozen
+target sharded over the processes captures the unsharded target's states; a sharded run's checkpoint (safetensors +
+JSON, no pickle) resumes under 1 and 2 processes; a sharding the run cannot do is one line before the target
+loads.
 
 Every 2-process run goes through PROBE below, which writes what each process holds (DTensors, bytes) before the
-first step: a silent fallback to DDP (whole parameters on each process) fails the tests."""
+first step: a silent fallback to DDP (whole parameters, or a whole optimizer state, on each process) fails the
+tests."""
 
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ real_train_run, real_save = loop.train_run, loop.save_checkpoint
 def probe_then_train(run, *args, **kwargs):
     target = run.target
     facts = {"drafter": held(run.drafter), "sharding": run.sharding,
-             "target_layers": held(target.layers), "target_embeddings": held(target.embed_tokens)}
+             "target_layers": held(target.layers), "target_embeddings": held(target.embed_tokens),
+             "trainable_bytes": sum(p.numel() * p.element_size() for p in run.trainable)}
+    if run.sharding in distributed.ZERO_STAGES:  # what this process's optimizer steps (and keeps state for)
+        facts["zero_partition_bytes"] = sum(flat.nbytes for flat in distributed.zero_partitions(run.drafter))
     Path(os.environ["PROBE_DIR"], f"rank{run.accelerator.process_index}.json").write_text(json.dumps(facts))
     return real_train_run(run, *args, **kwargs)
 
@@ -58,8 +63,10 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
-def two_processes(folder: Path, recipe, *, die_at: int | None = None, expect_ok: bool = True):
-    """The recipe trained by 2 torchrun processes through PROBE; (the run, each rank's probe facts)."""
+def two_processes(folder: Path, recipe, *, die_at: int | None = None, expect_ok: bool = True,
+                  launcher_config: Path | None = None):
+    """The recipe trained by 2 torchrun processes (or `accelerate launch --config_file launcher_config`) through
+    PROBE; (the run, each rank's probe facts)."""
     save_recipe(recipe, folder / "recipe.yaml")
     (folder / "probe.py").write_text(PROBE)
     probe_dir = folder / "probe"
@@ -68,7 +75,8 @@ def two_processes(folder: Path, recipe, *, die_at: int | None = None, expect_ok:
     if die_at is not None:
         os.environ["DIE_AT_STEP"] = str(die_at)
     try:
-        run = train_on_two_processes(folder / "recipe.yaml", script=folder / "probe.py", expect_ok=expect_ok)
+        run = train_on_two_processes(folder / "recipe.yaml", script=folder / "probe.py", expect_ok=expect_ok,
+                                     launcher_config=launcher_config)
     finally:
         os.environ.pop("PROBE_DIR")
         os.environ.pop("DIE_AT_STEP", None)
@@ -225,6 +233,81 @@ def test_a_sharded_run_killed_resumes_under_one_then_two_processes(runs, tmp_pat
     assert not_safetensors_or_text(tmp_path / "run") == []
 
 
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory, fixture_target_dir):
+    """EAGLE-3, 9 steps of 2 accumulated micro-batches at a global batch of 2 each: one process (batch 2), and
+    DeepSpeed ZeRO-2 over two processes (batch 1 each), launched as a user does: accelerate launch --config_file
+    recipes/accelerate/deepspeed_zero2.yaml (made for GPUs; on this CPU host draftsmith joins the processes)."""
+    tmp = tmp_path_factory.mktemp("zero2")
+    data = write_conversations(tmp / "conv.jsonl")
+    train(tiny_recipe(fixture_target_dir, data, tmp / "one", grad_accum_steps=2, batch_size=2, max_steps=STEPS),
+          log=lambda *a: None)
+    (tmp / "two").mkdir()
+    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "deepspeed_zero2.yaml"
+    run, facts = two_processes(tmp / "two", tiny_recipe(fixture_target_dir, data, tmp / "two", grad_accum_steps=2,
+                                                        batch_size=1, max_steps=STEPS), launcher_config=config)
+    return tmp, data, facts, run
+
+
+@pytest.mark.slow
+def test_zero2_over_two_processes_trains_as_one_process(zero_runs):
+    """DeepSpeed ZeRO-2 (deepspeed.initialize called by draftsmith, gloo): losses to 1e-5 and gradient norms to 1e-4
+    of one process's every step, through gradient accumulation (DeepSpeed's boundary set from accelerate's count),
+    final weights to 1e-4 of each tensor's norm; each process steps about half the drafter's parameters (its
+    partition of the fp32 master weights and optimizer state), while its forward holds them whole."""
+    tmp, _, facts, run = zero_runs
+    assert [f["sharding"] for f in facts] == ["zero2", "zero2"]
+    assert "sharding: DeepSpeed ZeRO-2 over 2 processes" in run.stdout
+    for rank in facts:
+        assert 0.45 * rank["trainable_bytes"] <= rank["zero_partition_bytes"] <= 0.55 * rank["trainable_bytes"], rank
+        assert rank["drafter"]["local_bytes"] == rank["drafter"]["whole_bytes"], rank
+    assert_same_steps(rows(tmp / "two" / "run"), rows(tmp / "one" / "run"), range(1, STEPS + 1))
+    w1, w2 = weights(tmp / "one" / "run"), weights(tmp / "two" / "run")
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        if w1[name].is_floating_point():
+            assert (w2[name] - w1[name]).norm() <= 1e-4 * w1[name].norm(), name
+        else:
+            assert torch.equal(w2[name], w1[name]), name
+
+
+@pytest.mark.slow
+def test_a_zero2_run_killed_resumes_under_one_then_two_processes(zero_runs, tmp_path, fixture_target_dir):
+    """ZeRO-2 on 2 processes killed after the step-3 checkpoint, resumed by 1 process and stopped after step 6,
+    resumed by 2 processes (ZeRO-2) to step 9: the losses of the uninterrupted ZeRO-2 run (the optimizer state
+    gathered from the partitions, then carried into them again), with no pickle and no trust flag."""
+    tmp, data, _, _ = zero_runs
+
+    def recipe(processes):
+        return tiny_recipe(fixture_target_dir, data, tmp_path, grad_accum_steps=2, batch_size=2 // processes,
+                           max_steps=STEPS, sharding="zero2")
+
+    killed, facts = two_processes(tmp_path, recipe(2), die_at=3, expect_ok=False)
+    assert killed.returncode != 0 and facts[0]["sharding"] == "zero2"
+    assert sorted(rows(tmp_path / "run")) == [1, 2, 3]
+
+    import draftsmith.train.loop as loop_mod
+
+    real_save = loop_mod.save_checkpoint
+
+    def save_then_stop(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if args[5]["step"] == 6:
+            raise KeyboardInterrupt
+
+    loop_mod.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(recipe(1), log=lambda *a: None)
+    finally:
+        loop_mod.save_checkpoint = real_save
+    assert sorted(rows(tmp_path / "run")) == list(range(1, 7))
+
+    two_processes(tmp_path, recipe(2))
+    assert_same_steps(rows(tmp_path / "run"), rows(tmp / "two" / "run"), range(1, STEPS + 1))
+    assert not_safetensors_or_text(tmp_path / "run") == []
+
+
 METHODS = ["eagle", "mtp", "dflash", "dspark", "gemma4_mtp"]
 
 
@@ -278,8 +361,12 @@ def no_target(monkeypatch):
 
 @pytest.mark.parametrize("case, env, training, words", [
     ("fsdp1", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, {}, "FSDP1 is not supported"),
-    ("deepspeed on a CPU", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, {},
-     "DeepSpeed on GPUs and NPUs only, not on cpu"),
+    ("zero3 launcher", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, {},
+     "DeepSpeed ZeRO stages 1 and 2"),
+    ("zero3 recipe", {}, {"sharding": "zero3"}, "launch with recipes/accelerate/deepspeed_zero2.yaml"),
+    ("muon under zero2", {}, {"sharding": "zero2", "optimizer": "muon"}, "DeepSpeed takes one"),
+    ("optimizer offload", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+                           "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, {}, "offload_optimizer_device"),
     ("muon sharded", {}, {"sharding": "fsdp2", "optimizer": "muon"}, "training.optimizer=muon"),
     ("muon under the fsdp launcher", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, {"optimizer": "muon"},
      "fsdp_version: 2"),
@@ -295,6 +382,31 @@ def test_a_sharding_the_run_cannot_do_is_one_line(case, env, training, words, tm
     message = str(refused.value)
     assert words in message and "\n" not in message, message
     assert not (tmp_path / "run" / "checkpoint-3").exists()
+
+
+def test_processes_that_accelerate_left_apart_are_refused(monkeypatch):
+    """torchrun started 2 processes but accelerate made each its own run (a GPU launcher config on a host without
+    GPUs, before draftsmith asked for its multi-CPU mode): one line, not two runs writing one folder."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.setup import check_processes
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    alone = SimpleNamespace(num_processes=1, distributed_type="NO")
+    with pytest.raises(TrainingError, match="the launcher started 2 processes, but accelerate made each its own run"):
+        check_processes(tiny_recipe(Path("t"), Path("d"), Path("o")), "ddp", "", alone)
+    check_processes(tiny_recipe(Path("t"), Path("d"), Path("o")), "ddp", "", SimpleNamespace(num_processes=2))
+
+
+def test_deepspeed_missing_is_one_line(tmp_path, fixture_target_dir, monkeypatch, no_target):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "deepspeed" else real_find_spec(name, *a, **k))
+    data = write_conversations(tmp_path / "conv.jsonl")
+    with pytest.raises(TrainingError, match=r"DeepSpeed is not installed: pip install 'draftsmith\[deepspeed\]'"):
+        train(tiny_recipe(fixture_target_dir, data, tmp_path, sharding="zero2"), log=lambda *a: None)
 
 
 def test_a_sharded_target_is_refused_when_training_reads_a_store(tmp_path, fixture_target_dir, no_target):
@@ -315,7 +427,7 @@ def test_the_scale_benchmark_measures_sharded_runs_on_cpu_processes(tmp_path, fi
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "scale.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.scale_train", "--cpu", "--gpus", "1,2,100000",
-                           "--runs", "fixture:ddp fixture:fsdp2+shard_target", "--seq", "64", "--batch", "1",
+                           "--runs", "fixture:ddp fixture:fsdp2+shard_target fixture:zero2", "--seq", "64", "--batch", "1",
                            "--steps", "2", "--warmup", "1", "--draft-vocab", "512", "--tokenizer",
                            str(fixture_target_dir), "--workdir", str(tmp_path / "work"), "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
@@ -328,3 +440,6 @@ def test_the_scale_benchmark_measures_sharded_runs_on_cpu_processes(tmp_path, fi
     assert any(line.startswith("sharding: FSDP2 over 2 processes") for line in sharded["trainer_says"])
     assert any(line.startswith("target: decoder layers sharded over 2") for line in sharded["trainer_says"])
     assert "this host has" in runs["fixture:ddp@100000"]["not_run"]
+    zero2 = runs["fixture:zero2@2"]
+    assert zero2["tokens_per_s_per_gpu"] > 0
+    assert any(line.startswith("sharding: DeepSpeed ZeRO-2 over 2 processes") for line in zero2["trainer_says"])

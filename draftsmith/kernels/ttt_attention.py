@@ -177,7 +177,9 @@ _AUX_REQUEST = getattr(flex, "AuxRequest", None)  # torch >= 2.9; before it, ret
 @functools.cache
 def _compiled_flex():
     # fullgraph: FlexAttention outside a compiled graph is its eager math form, which keeps S x S scores
-    return torch.compile(_flex_with_lse, fullgraph=True)
+    from draftsmith import device as dev
+
+    return torch.compile(_flex_with_lse, fullgraph=True, dynamic=dev.compile_dynamic())
 
 
 def flex_with_lse(q, k, v, block_mask, scale: float):

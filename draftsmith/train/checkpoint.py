@@ -118,7 +118,7 @@ def find_resume(output_dir: Path, recipe: Recipe, accelerator, log) -> tuple[Pat
     if resume_from is not None:
         for note in check_same_run(resume_from, recipe, output_dir, accelerator.num_processes):
             log(note)
-        own_state = check_run_folder(resume_from, recipe.training.trust_run_folder, delegated(accelerator))
+        own_state = check_run_folder(resume_from, recipe.training.trust_run_folder)
     if accelerator.is_main_process:
         for stale in output_dir.glob(".checkpoint-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -178,9 +178,8 @@ def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Pa
     """Write checkpoint-<step>/ through a temporary folder and a rename, then point `latest` at it.
 
     The drafter's weights are written once, as model.safetensors; training_state/ holds the optimizer and RNG
-    states in safetensors and JSON (state.py; under FSDP or DeepSpeed, accelerate's save_state, whose hooks
-    `register_state_hooks` sets to leave the model out). A failed write (a full disk) removes the partial folder
-    and stops the run with one line; the last complete checkpoint stays."""
+    states in safetensors and JSON (state.py), under every sharding. A failed write (a full disk) removes the
+    partial folder and stops the run with one line; the last complete checkpoint stays."""
     name = f"checkpoint-{state['step']}"
     final, tmp = output_dir / name, output_dir / f".{name}.tmp"
     previous = latest_checkpoint(output_dir)
@@ -206,24 +205,19 @@ def save_checkpoint(accelerator, drafter, method, recipe: Recipe, output_dir: Pa
 
 
 def _write_checkpoint(accelerator, drafter, optimizers, tmp: Path) -> None:
-    """The weights (main process) and the training state (every process its RNG's) into `tmp`. Under FSDP2 every
-    process takes part in gathering the weights and optimizer states whole (distributed.py): the files are those of
-    a one-process run."""
-    if delegated(accelerator):
-        if accelerator.is_main_process:
-            save_safetensors_atomic(_weights(accelerator.unwrap_model(drafter).state_dict()), tmp / WEIGHTS_FILE)
-        accelerator.save_state(str(tmp / STATE_DIR))  # DeepSpeed shards the optimizer itself
-    else:  # optimizer and RNG states (every process its RNG's), no pickles
-        model = accelerator.unwrap_model(drafter)
-        gathers = distributed.is_sharded(model)  # every process takes part; otherwise the main one's copy is it
-        states = []
-        if gathers or accelerator.is_main_process:
-            weights = _weights(distributed.full_weights(model))
-            states = [distributed.optimizer_state(model, raw_optimizer(o)) for o in optimizers]
-        if accelerator.is_main_process:
-            save_safetensors_atomic(weights, tmp / WEIGHTS_FILE)
-        save_training_state(tmp / STATE_DIR, states, accelerator.process_index, accelerator.num_processes,
-                            accelerator.is_main_process)
+    """The weights (main process) and the training state (every process its RNG's) into `tmp`, no pickles. Under
+    FSDP2 and DeepSpeed ZeRO every process takes part in gathering the weights and optimizer states whole
+    (distributed.py): the files are those of a one-process run."""
+    model = accelerator.unwrap_model(drafter)
+    gathers = distributed.gathers(model)  # every process takes part; otherwise the main one's copy is it
+    states = []
+    if gathers or accelerator.is_main_process:
+        weights = _weights(distributed.full_weights(model))
+        states = [distributed.optimizer_state(model, raw_optimizer(o)) for o in optimizers]
+    if accelerator.is_main_process:
+        save_safetensors_atomic(weights, tmp / WEIGHTS_FILE)
+    save_training_state(tmp / STATE_DIR, states, accelerator.process_index, accelerator.num_processes,
+                        accelerator.is_main_process)
     accelerator.wait_for_everyone()  # every process's RNG file is in before the folder is renamed
 
 
@@ -258,22 +252,12 @@ def _nearly_full(path: Path) -> bool:
 
 
 # ---- reading and resuming ------------------------------------------------------------------------------------------
-def delegated(accelerator) -> bool:
-    """accelerate's FSDP or DeepSpeed: they shard the optimizer state, which only accelerate's save_state and
-    load_state (pickles) handle. draftsmith's own FSDP2 (distributed.py) is not: its state is gathered into
-    draftsmith's files."""
-    from accelerate.utils import DistributedType
-
-    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
-                                            DistributedType.MEGATRON_LM)
-
-
 def register_state_hooks(accelerator) -> None:
-    """accelerate's save_state and load_state (FSDP, DeepSpeed, a trusted folder of accelerate's state) leave the
-    drafter to model.safetensors: its one copy, fp32 master weights, so a resume stays bit-exact."""
+    """accelerate's load_state (a trusted folder of accelerate's state) leaves the drafter to model.safetensors: its
+    one copy, fp32 master weights, so a resume stays bit-exact."""
 
     def state_without_model(models, weights, output_dir) -> None:
-        weights.clear()  # FSDP and DeepSpeed, which shard the model themselves, never put it in `weights`
+        weights.clear()
 
     def model_from_checkpoint(models, input_dir) -> None:
         for model in models:

@@ -132,16 +132,21 @@ def _micro_step(run: Run, indices: list[int], window: LogWindow, health: Health)
     batch, samples = run.batching.collate(indices)
     features.select(indices, samples)
     grad_norm = None
-    with acc.accumulate(run.drafter), distributed.gradient_sync(run.drafter, acc.sync_gradients):
+    with (acc.accumulate(distributed.accumulation_model(run.drafter)),
+          distributed.gradient_sync(run.drafter, acc.sync_gradients)):
         loss, metrics = run.method.loss(run.drafter, batch, features)
         health.finite.observe_micro_batch(state["step"] + 1, indices, features.take(), loss)
-        acc.backward(loss)
-        if acc.sync_gradients:  # over FSDP2's sharded gradients the norm is a DTensor: its whole value
-            grad_norm = distributed.plain(acc.clip_grad_norm_(run.trainable, run.recipe.training.max_grad_norm))
+        if run.sharding in distributed.ZERO_STAGES:  # DeepSpeed's engine backpropagates, clips and steps
+            grad_norm = distributed.zero_step(run.drafter, loss, acc.sync_gradients)
+        else:
+            acc.backward(loss)
+            if acc.sync_gradients:  # over FSDP2's sharded gradients the norm is a DTensor: its whole value
+                grad_norm = distributed.plain(acc.clip_grad_norm_(run.trainable, run.recipe.training.max_grad_norm))
+            for optimizer in run.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        if grad_norm is not None:
             health.finite.observe_step(state["step"] + 1, grad_norm)
-        for optimizer in run.optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
     state["tokens_seen"] += window.observe(batch, samples, loss)
     return metrics, grad_norm
 

@@ -23,7 +23,6 @@ import torch
 
 PROBING = "probing step time"  # the note of a plan still waiting for the probe
 SAFETY_MARGIN = 0.03  # of the time left, kept free when planning steps into a budget
-MEASURE_SKIP = 2  # probe steps not timed (first-call compilation, allocator warm-up)
 
 
 def muon_groups(drafter: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
@@ -88,6 +87,7 @@ class SchedulePlan:
     note: str = ""
     replan_step: int | None = None  # re-fit `total` here from the steady step time (a time budget's plan)
     replans: int = 0  # re-fits done so far
+    step_seconds: float | None = None  # the step time the plan was fitted to (a time budget's plan)
 
     def factor(self, step: int) -> float:
         """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
@@ -163,6 +163,7 @@ def steps_that_fit(start: int, step_seconds: float, seconds_left: float, eval_ev
 def plan_for_budget(
     probe_steps: int, step_seconds: float, seconds_left: float, warmup_ratio: float, shape: str = "cosine",
     max_steps: int | None = None, eval_every: int | None = None, eval_seconds: float = 0.0, decay_ratio: float = 0.2,
+    measured: str = "the probe",
 ) -> SchedulePlan:
     """The plan once the probe has run: as many steps as fit in `seconds_left` (less a safety margin and the
     evaluations due on the way, the one at the end included) at `step_seconds` each, capped by `max_steps`;
@@ -177,12 +178,13 @@ def plan_for_budget(
     total = probe_steps + steps
     warmup = warmup_steps(steps, warmup_ratio)
     replan_step = probe_steps + max(warmup, steps // 10, MIN_REPLAN_STEPS)
-    note = (f"{step_seconds * 1000:.1f} ms/step over probe steps {MEASURE_SKIP}..{probe_steps - 1}; "
+    note = (f"{step_seconds * 1000:.1f} ms/step ({measured}); "
             f"{seconds_left:.0f} s left -> {steps} steps"
             + (f" (capped by max_steps {max_steps})" if capped else "")
             + (f", {evals} evaluations of {eval_seconds:.1f} s on the way" if evals else ""))
     return SchedulePlan(total=total, warmup=warmup, hold=probe_steps, shape=shape, note=note, decay_ratio=decay_ratio,
-                        replan_step=None if capped or replan_step >= total - MIN_REPLAN_STEPS else replan_step)
+                        replan_step=None if capped or replan_step >= total - MIN_REPLAN_STEPS else replan_step,
+                        step_seconds=step_seconds)
 
 
 def replan(plan: SchedulePlan, step: int, step_seconds: float, seconds_left: float, max_steps: int | None = None,
@@ -201,4 +203,4 @@ def replan(plan: SchedulePlan, step: int, step_seconds: float, seconds_left: flo
     return SchedulePlan(total=total, warmup=plan.warmup, hold=plan.hold, shape=plan.shape, note=note,
                         decay_ratio=plan.decay_ratio,
                         replan_step=following if replans < MAX_REPLANS and following - step >= MIN_REPLAN_STEPS
-                        else None, replans=replans)
+                        else None, replans=replans, step_seconds=step_seconds)

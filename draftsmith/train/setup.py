@@ -1,18 +1,19 @@
 """`setup(recipe)`: everything a training run needs, built once, in a fixed order, into one `Run`: a small
 dataclass (torchtune's recipe state as one object, not a trainer class) that the loop (loop.py) steps.
 
-    1. accelerate (DDP; DeepSpeed through its launcher config; bf16 autocast over fp32 master weights, gradient
-       accumulation, the trackers), the sharding the run asks for checked (distributed.py: FSDP2 is draftsmith's
-       own fully_shard call, on every device), and the run folder: a rerun of another recipe is refused before
-       anything slow (checkpoint.py find_resume)
+    1. accelerate (DDP; bf16 autocast over fp32 master weights, gradient accumulation, the trackers), the
+       sharding the run asks for checked (distributed.py: FSDP2 and DeepSpeed ZeRO are draftsmith's own
+       fully_shard and deepspeed.initialize calls, on every device), and the run folder: a rerun of another
+       recipe is refused before anything slow (checkpoint.py find_resume)
     2. tokenizer, the recipe checked against the target's config.json, the data
     3. the target (only its head and embeddings when a store holds what its layers would compute; its decoder
        layers sharded over the processes with training.shard_target), the method
        (models/registry.py), the feature source (features.py)
     4. the draft vocabulary, the drafter (its method's training options applied once, from outside:
        `method.apply_training_options`), model.init_from
-    5. the drafter sharded (FSDP2) or left to accelerate's prepare (DDP, DeepSpeed); batching, the time budget and
-       its plan, optimizers and schedulers; then a resume loads the checkpoint into them (checkpoint.py resume)
+    5. the drafter sharded (FSDP2) or left to accelerate's prepare (DDP); batching, the time budget and its plan,
+       optimizers and schedulers; then a resume loads the checkpoint into them (checkpoint.py resume); under
+       DeepSpeed ZeRO the drafter and its (resumed) optimizer are handed to DeepSpeed last
 
 The order is the run's random stream: the target's and drafter's initialisations draw from the seed in this order,
 so a change of order is a change of behaviour (tests/test_pinned_losses.py).
@@ -44,11 +45,13 @@ from draftsmith.train.errors import TrainingError
 from draftsmith.train.features import FeatureSource, open_features, store_folder
 from draftsmith.train.metrics import flat
 from draftsmith.train.optim import build_optimizers, build_schedulers, schedule_at
+from draftsmith.train.state import raw_optimizer
 
 if TYPE_CHECKING:  # annotations only: the target's module loads transformers
     from draftsmith.models.target import TargetModel
 
 METRICS_FILE = "metrics.jsonl"
+SHARDING_NAMES = {"fsdp2": "FSDP2", "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2"}
 TOKENIZER_PADDING = 1024  # embedding rows past the tokenizer that models pad with (Qwen3: 267), not a mismatch
 
 
@@ -75,7 +78,7 @@ class Run:
     target: TargetModel
     features: FeatureSource  # handed to the method's loss: online capture, a store or the first epoch's cache
     method: TrainingMethod
-    drafter: torch.nn.Module  # FSDP2-sharded (distributed.py), or as accelerate prepared it (DDP, DeepSpeed)
+    drafter: torch.nn.Module  # FSDP2-sharded or a DeepSpeed engine (distributed.py), or as accelerate prepared it
     optimizers: list
     schedulers: list  # LambdaLR over budget.factor: the schedule is a pure function of the step and the plan
     budget: TimeBudget
@@ -83,7 +86,7 @@ class Run:
     state: dict
     log: Callable[..., None]  # print on the main process, silent on the others
     trainable: list  # the drafter's parameters with requires_grad, as built (clip_grad_norm_ reads them)
-    sharding: str = "ddp"  # "fsdp2" (draftsmith's fully_shard), "deepspeed" (accelerate's) or "ddp" (one process too)
+    sharding: str = "ddp"  # "fsdp2" (fully_shard), "zero1" / "zero2" (DeepSpeed) or "ddp" (one process too)
 
 
 def method_class(name: str) -> type[TrainingMethod]:
@@ -184,6 +187,8 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
     if sharding == "fsdp2":  # accelerate wraps only the optimizers (it skips their step inside an accumulation)
         prepared = accelerator.prepare(*optimizers)
         optimizers = list(prepared) if isinstance(prepared, (tuple, list)) else [prepared]
+    elif sharding in distributed.ZERO_STAGES:  # handed to DeepSpeed after a resume loaded them (below)
+        pass
     else:
         drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
     register_state_hooks(accelerator)  # the weights live in model.safetensors, not in accelerate's state
@@ -193,6 +198,8 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
         if "plan" in state:
             budget.resume(state["plan"])
         schedule_at(schedulers, state["step"])
+    if sharding in distributed.ZERO_STAGES:
+        drafter = _zero_drafter(drafter, optimizers[0], sharding, accelerator, cfg, log)
     state["plan"] = budget.plan.to_dict()
     state["processes"] = accelerator.num_processes  # a resume must keep batch_size x processes (check_same_run)
     run = Run(recipe, accelerator, tokenizer, data, batching, target, features, method, drafter, optimizers,
@@ -203,7 +210,7 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
 
 def _accelerator(recipe: Recipe, log):
     """(accelerate's Accelerator for the recipe's training section, the mixed precision it runs, the sharding:
-    "fsdp2", "deepspeed" or "ddp"). A sharding the run cannot do is one line here, before the target loads."""
+    "fsdp2", "zero1" / "zero2" or "ddp"). A sharding the run cannot do is one line here, before the target loads."""
     from accelerate import Accelerator
 
     cfg, output_dir = recipe.training, Path(recipe.output_dir)
@@ -215,15 +222,19 @@ def _accelerator(recipe: Recipe, log):
     elif mixed == "bf16":
         dev.warn_if_emulated_bf16(dev.get_device(), "set training.mixed_precision=no (or auto) and "
                                                     "model.dtype=float32")
-    with distributed.launcher_fsdp_hidden() if kind == "fsdp2" else contextlib.nullcontext():
-        accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum_steps,
+    # a launcher config made for GPUs (accelerate launch without --cpu) on a host without any: accelerate would make
+    # each process a run of its own; its multi-CPU mode joins them (gloo)
+    on_cpu_processes = dev.accelerator_type() == "cpu" and launched_processes() > 1
+    with distributed.launcher_sharding_hidden():  # draftsmith shards itself (distributed.py)
+        accelerator = Accelerator(cpu=on_cpu_processes, mixed_precision=mixed,
+                                  gradient_accumulation_steps=cfg.grad_accum_steps,
                                   log_with=None if cfg.report_to == "none" else cfg.report_to,
                                   project_dir=str(output_dir))
     check_processes(recipe, kind, source, accelerator)
     log = log if accelerator.is_main_process else _silent
-    if kind == "fsdp2" and accelerator.num_processes == 1:  # nothing to shard: the drafter trains whole, and
+    if kind != "ddp" and accelerator.num_processes == 1:  # nothing to shard: the drafter trains whole, and
+        log(f"sharding: {SHARDING_NAMES[kind]} asked for, but one process holds the whole drafter")
         kind = "ddp"  # the checkpoint is the one a sharded run writes (either resumes the other)
-        log("sharding: FSDP2 asked for, but one process holds the whole drafter")
     elif kind == "ddp" and accelerator.num_processes > 1:  # said aloud: accelerate's CPU launcher passes no
         note = (" (accelerate's CPU launcher passes no FSDP config on: set training.sharding=fsdp2 to shard)"
                 if accelerator.device.type == "cpu" and cfg.sharding == "auto" else "")  # launcher config on
@@ -241,33 +252,53 @@ def check_sharding(recipe: Recipe, kind: str, source: str, environ=os.environ) -
     if kind == "fsdp2" and cfg.optimizer == "muon":
         raise TrainingError(f"{source}: training.optimizer=muon orthogonalises whole matrices, which FSDP2 shards: "
                             "use training.optimizer=adamw, or training.sharding=ddp")
-    if kind == "deepspeed":
-        on_cpu = environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
-        device = "cpu" if on_cpu else dev.accelerator_type()
-        if device not in ("cuda", "npu"):
-            raise TrainingError(f"{source}: accelerate runs DeepSpeed on GPUs and NPUs only, not on {device}, and "
-                                "would train plain DDP here: launch with recipes/accelerate/fsdp.yaml (FSDP2 runs on "
-                                "every device), or without a DeepSpeed config")
-        if importlib.util.find_spec("deepspeed") is None:
-            raise TrainingError(f"{source}: DeepSpeed is not installed: pip install deepspeed, or launch with "
-                                "recipes/accelerate/fsdp.yaml")
-        if cfg.shard_target:
-            raise TrainingError(f"training.shard_target with {source}: the target is sharded with FSDP2, next to a "
-                                "drafter under FSDP2 or DDP: use recipes/accelerate/fsdp.yaml")
+    if kind in ("deepspeed", "zero3"):
+        raise TrainingError(f"{source}: draftsmith runs DeepSpeed ZeRO stages 1 and 2 (ZeRO-3 regathers weights by "
+                            "module hooks that the drafters' losses outrun): launch with "
+                            "recipes/accelerate/deepspeed_zero2.yaml, or recipes/accelerate/fsdp.yaml to shard the "
+                            "parameters too")
+    if kind in distributed.ZERO_STAGES:
+        check_deepspeed(recipe, kind, source, environ)
     store = store_folder(recipe) if cfg.shard_target else None
     if store:
         raise TrainingError("training.shard_target: the target's layers do not run when training reads the store "
                             f"{store}: set training.shard_target=false")
 
 
-def check_processes(recipe: Recipe, kind: str, source: str, accelerator) -> None:
-    """What the launched processes allow: accelerate must really run the DeepSpeed asked for, and a sharded target
-    needs more than one process."""
-    from accelerate.utils import DistributedType
+def check_deepspeed(recipe: Recipe, kind: str, source: str, environ=os.environ) -> None:
+    """What draftsmith's DeepSpeed ZeRO (distributed.deepspeed_engine) cannot do, refused in one line."""
+    cfg = recipe.training
+    if importlib.util.find_spec("deepspeed") is None:
+        raise TrainingError(f"{source}: DeepSpeed is not installed: pip install 'draftsmith[deepspeed]', or launch "
+                            "with recipes/accelerate/fsdp.yaml")
+    if cfg.optimizer == "muon":
+        raise TrainingError(f"{source}: training.optimizer=muon is two optimizers, and DeepSpeed takes one: use "
+                            "training.optimizer=adamw")
+    if cfg.shard_target:
+        raise TrainingError(f"training.shard_target with {source}: the target is sharded with FSDP2, next to a "
+                            "drafter under FSDP2 or DDP: use recipes/accelerate/fsdp.yaml")
+    for setting in ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"):
+        if environ.get(setting, "none").lower() not in ("none", ""):
+            raise TrainingError(f"{source}: {setting.lower().removeprefix('accelerate_deepspeed_')}: "
+                                f"{environ[setting]} is not supported (a drafter's optimizer state fits the "
+                                "devices once partitioned): set it to none")
 
-    if kind == "deepspeed" and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise TrainingError(f"{source}: accelerate did not start DeepSpeed here ({accelerator.distributed_type}), "
-                            "and would train plain DDP: launch with recipes/accelerate/fsdp.yaml")
+
+def launched_processes(environ=os.environ) -> int:
+    """How many processes the launcher started (torchrun's WORLD_SIZE; 1 for a plain `python -m`)."""
+    try:
+        return int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_processes(recipe: Recipe, kind: str, source: str, accelerator) -> None:
+    """What the launched processes allow: they are one run (not each its own, writing the same folder), and a
+    sharded target needs more than one process."""
+    if accelerator.num_processes != launched_processes():
+        raise TrainingError(f"the launcher started {launched_processes()} processes, but accelerate made each its "
+                            f"own run of {accelerator.num_processes} ({accelerator.distributed_type}): check the "
+                            "launcher config's distributed_type for this host")
     if recipe.training.shard_target and accelerator.num_processes < 2:
         raise TrainingError("training.shard_target: one process has nothing to share the target with: launch "
                             "several (accelerate launch --num_processes N), or set training.shard_target=false")
@@ -276,9 +307,31 @@ def check_processes(recipe: Recipe, kind: str, source: str, accelerator) -> None
 def _shard_drafter(drafter: torch.nn.Module, accelerator, log) -> torch.nn.Module:
     """The drafter under FSDP2 (distributed.py), its forward under accelerate's autocast (bf16 compute over fp32
     master weights, as accelerate runs a DDP drafter: one numerics whatever the sharding)."""
+    drafter = distributed.shard_drafter(drafter, distributed.device_mesh(accelerator.device))
+    _under_autocast(drafter, accelerator)
+    log(f"sharding: FSDP2 over {accelerator.num_processes} processes; this "
+        f"process holds {distributed.local_bytes(drafter) / 2**20:.1f} MiB of the drafter's parameters")
+    return drafter
+
+
+def _zero_drafter(drafter: torch.nn.Module, optimizer, sharding: str, accelerator, cfg, log):
+    """The drafter and its optimizer handed to DeepSpeed ZeRO (distributed.py), the forward under accelerate's
+    autocast over fp32 weights (as DDP and FSDP2 run it: one numerics whatever the sharding)."""
+    _under_autocast(drafter, accelerator)
+    engine = distributed.deepspeed_engine(drafter, optimizer, distributed.ZERO_STAGES[sharding], cfg.grad_accum_steps,
+                                          cfg.max_grad_norm)
+    partitions = sum(flat.nbytes for flat in distributed.zero_partitions(engine))
+    log(f"sharding: {SHARDING_NAMES[sharding]} over {accelerator.num_processes} processes; this process holds "
+        f"{distributed.local_bytes(drafter) / 2**20:.1f} MiB of the drafter's parameters and steps "
+        f"{partitions / 2**20:.1f} MiB of them")
+    return engine
+
+
+def _under_autocast(drafter: torch.nn.Module, accelerator) -> None:
+    """The drafter's forward under accelerate's autocast (bf16 compute over fp32 master weights), for the shardings
+    accelerate does not prepare."""
     import functools
 
-    drafter = distributed.shard_drafter(drafter, distributed.device_mesh(accelerator.device))
     forward = drafter.forward
 
     @functools.wraps(forward)
@@ -287,9 +340,6 @@ def _shard_drafter(drafter: torch.nn.Module, accelerator, log) -> torch.nn.Modul
             return forward(*args, **kwargs)
 
     drafter.forward = under_autocast
-    log(f"sharding: FSDP2 over {accelerator.num_processes} processes; this "
-        f"process holds {distributed.local_bytes(drafter) / 2**20:.1f} MiB of the drafter's parameters")
-    return drafter
 
 
 def _tokenizer_and_data(recipe: Recipe, accelerator, output_dir: Path, log):
@@ -365,7 +415,7 @@ def _total_steps(batching: Batching) -> int:
 def _start_logging(run: Run) -> None:
     """The optimizer's line, the recipe in the run folder, the trackers."""
     cfg, accelerator = run.recipe.training, run.accelerator
-    run.log(f"optimizer: {' + '.join(type(o.optimizer).__name__ for o in run.optimizers)}, lr {cfg.lr}"
+    run.log(f"optimizer: {' + '.join(type(raw_optimizer(o)).__name__ for o in run.optimizers)}, lr {cfg.lr}"
             + (f" (Muon {cfg.muon_lr or cfg.lr})" if cfg.optimizer == "muon" else "")
             + f", {cfg.lr_schedule} schedule, micro-batches of {run.batching.label}")
     if accelerator.is_main_process:

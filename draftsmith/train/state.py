@@ -12,10 +12,10 @@ writes its own files instead:
                                               and numpy's generator states as JSON in the metadata
 
 The learning-rate schedulers are not saved: the rate is a pure function of the step and the plan that
-trainer_state.json holds, so the trainer rebuilds them. A drafter sharded with FSDP2 (draftsmith/distributed.py)
-has its optimizer states gathered whole into the same files, so one format serves every world size and sharding.
-DeepSpeed shards the optimizer itself and is saved by accelerate (pickles): `check_run_folder` resumes those, and
-folders written before this format, only with training.trust_run_folder=true. Before anything is read, a
+trainer_state.json holds, so the trainer rebuilds them. A drafter sharded with FSDP2 or DeepSpeed ZeRO
+(draftsmith/distributed.py) has its optimizer states gathered whole into the same files, so one format serves every
+world size and sharding. `check_run_folder` resumes accelerate's pickles (folders written before this format) only
+with training.trust_run_folder=true. Before anything is read, a
 checkpoint holding a pickle draftsmith did not write is refused in one line naming the file.
 """
 
@@ -182,18 +182,14 @@ def looks_pickled(path: Path) -> bool:
     return head.startswith(PICKLE_MAGIC)
 
 
-def check_run_folder(checkpoint: Path, trusted: bool, delegated: bool) -> bool:
-    """Whether `checkpoint`'s training state is draftsmith's own (True) or accelerate's (False: FSDP, DeepSpeed, or
-    a folder written before this format), read before anything is loaded from it. Refused in one line naming the
-    file, unless `trusted`: any pickle in a checkpoint of draftsmith's format (it writes none), and accelerate's
-    state, whose loaders unpickle. `delegated`: this run uses FSDP or DeepSpeed, which only accelerate can
-    resume."""
+def check_run_folder(checkpoint: Path, trusted: bool) -> bool:
+    """Whether `checkpoint`'s training state is draftsmith's own (True) or accelerate's (False: a folder written
+    before this format), read before anything is loaded from it. Refused in one line naming the file, unless
+    `trusted`: any pickle in a checkpoint of draftsmith's format (it writes none), and accelerate's state, whose
+    loaders unpickle."""
     state_dir = checkpoint / STATE_DIR
     own = (state_dir / FORMAT_FILE).is_file()
     pickles = sorted(p for p in checkpoint.rglob("*") if p.is_file() and looks_pickled(p))
-    if own and delegated:
-        raise TrainingStateError(f"{state_dir}: written by a run without FSDP or DeepSpeed, which this one cannot "
-                                 "resume: set output_dir to a new folder")
     if own:
         if pickles and not trusted:
             raise TrainingStateError(f"{pickles[0]}: a pickle draftsmith did not write (its checkpoints hold "
@@ -203,10 +199,6 @@ def check_run_folder(checkpoint: Path, trusted: bool, delegated: bool) -> bool:
     if trusted:
         return False
     named = pickles[0] if pickles else state_dir
-    if delegated:
-        raise TrainingStateError(f"{named}: FSDP and DeepSpeed training state is saved by accelerate as pickles, "
-                                 "and loading a pickle can run code: resume a run folder you trust with "
-                                 f"{TRUST}, or set output_dir to a new folder")
     raise TrainingStateError(f"{named}: training state in accelerate's pickles (written before draftsmith kept its "
                              "own in safetensors), which can run code when loaded: set output_dir to a new folder "
                              f"and model.init_from={checkpoint} to start from its weights (or, for a folder you "

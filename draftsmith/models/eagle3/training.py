@@ -137,7 +137,8 @@ class TrainingTTTKernels:
         self.halves = (drafter.step_qkv, drafter.step_finish)
         if options.compile:  # the norms, RoPE, residuals and gated MLP around each step's matrix products fused;
             # the attention stays out (FlexAttention compiles on its own)
-            self.halves = tuple(torch.compile(half, backend=options.compile_backend) for half in self.halves)
+            self.halves = tuple(torch.compile(half, backend=options.compile_backend, dynamic=dev.compile_dynamic())
+                                for half in self.halves)
 
     def attention(self, batch: int, heads: int, seq_len: int, num_steps: int, device, query_block=None,
                   doc_ids=None):
