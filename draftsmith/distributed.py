@@ -181,16 +181,16 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
 
 def gathers(model: nn.Module) -> bool:
-    """Whether saving `model` takes every process (its weights or optimizer state are spread over them)."""
+    """Whether saving `model` takes every process (its weights, or under ZeRO its optimizer state, are spread over
+    them)."""
     return is_sharded(model) or is_zero(model)
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict (the caller moves it to the CPU). Under FSDP2 every process calls it (a gather, onto
-    the CPU) and only the main process gets the tensors (the others an empty dict); under ZeRO every process calls
-    it and gets them (DeepSpeed's fp32 master weights, gathered)."""
-    if is_zero(model):
-        return _zero_weights(model)
+    the CPU) and only the main process gets the tensors (the others an empty dict). ZeRO-1/2 keep the parameters
+    whole on every process: fp32 (draftsmith gives DeepSpeed no bf16 config), each step's partitions gathered back
+    into them, so they are the master weights."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -331,15 +331,6 @@ def zero_step(engine, loss: torch.Tensor, sync: bool) -> torch.Tensor | None:
 
 def _is_engine(model) -> bool:
     return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
-
-
-def _zero_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    weights = model.state_dict()  # the buffers, and the parameters replaced by their fp32 masters below
-    for name, param in model.named_parameters(remove_duplicate=False):
-        weights[name] = safe_get_full_fp32_param(param).cpu()
-    return weights
 
 
 def _zero_optimizer_state(model: nn.Module, optimizer) -> dict:

@@ -99,6 +99,46 @@ def assert_same_steps(got, want, steps, loss_rel=1e-5, norm_rel=1e-4):
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=norm_rel), step
 
 
+def assert_same_weights(got_run, want_run):
+    """The final weights of two runs: each floating tensor within 1e-4 of its norm, the rest equal."""
+    w1, w2 = weights(want_run), weights(got_run)
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        if w1[name].is_floating_point():
+            assert (w2[name] - w1[name]).norm() <= 1e-4 * w1[name].norm(), name
+        else:
+            assert torch.equal(w2[name], w1[name]), name
+
+
+def kill_and_resume_under_one_then_two(folder: Path, recipe, sharding: str, uninterrupted_run: Path):
+    """`recipe(processes)` on 2 processes killed after the step-3 checkpoint, resumed by 1 process and stopped after
+    step 6, resumed by 2 processes to step STEPS: the losses of `uninterrupted_run`, and no pickle in the folder."""
+    killed, facts = two_processes(folder, recipe(2), die_at=3, expect_ok=False)
+    assert killed.returncode != 0 and facts[0]["sharding"] == sharding
+    assert sorted(rows(folder / "run")) == [1, 2, 3]
+
+    import draftsmith.train.loop as loop_mod
+
+    real_save = loop_mod.save_checkpoint
+
+    def save_then_stop(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if args[5]["step"] == 6:
+            raise KeyboardInterrupt
+
+    loop_mod.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(recipe(1), log=lambda *a: None)
+    finally:
+        loop_mod.save_checkpoint = real_save
+    assert sorted(rows(folder / "run")) == list(range(1, 7))
+
+    two_processes(folder, recipe(2))
+    assert_same_steps(rows(folder / "run"), rows(uninterrupted_run), range(1, STEPS + 1))
+    assert not_safetensors_or_text(folder / "run") == []
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, fixture_target_dir):
     """EAGLE-3, 9 steps at a global batch of 2: one process (batch 2), and FSDP2 over two processes (batch 1 each)
@@ -123,13 +163,7 @@ def test_fsdp2_over_two_processes_trains_as_one_process(runs):
     assert [f["sharding"] for f in facts] == ["fsdp2", "fsdp2"]
     assert_about_half(facts, "drafter")
     assert_same_steps(rows(tmp / "two" / "run"), rows(tmp / "one" / "run"), range(1, STEPS + 1))
-    w1, w2 = weights(tmp / "one" / "run"), weights(tmp / "two" / "run")
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        if w1[name].is_floating_point():
-            assert (w2[name] - w1[name]).norm() <= 1e-4 * w1[name].norm(), name
-        else:
-            assert torch.equal(w2[name], w1[name]), name
+    assert_same_weights(tmp / "two" / "run", tmp / "one" / "run")
 
 
 @pytest.mark.slow
@@ -207,30 +241,7 @@ def test_a_sharded_run_killed_resumes_under_one_then_two_processes(runs, tmp_pat
         return tiny_recipe(fixture_target_dir, data, tmp_path, grad_accum_steps=1, batch_size=2 // processes,
                            max_steps=STEPS, sharding="fsdp2", shard_target=processes == 2)
 
-    killed, facts = two_processes(tmp_path, recipe(2), die_at=3, expect_ok=False)
-    assert killed.returncode != 0 and facts[0]["sharding"] == "fsdp2"
-    assert sorted(rows(tmp_path / "run")) == [1, 2, 3]
-
-    import draftsmith.train.loop as loop_mod
-
-    real_save = loop_mod.save_checkpoint
-
-    def save_then_stop(*args, **kwargs):
-        real_save(*args, **kwargs)
-        if args[5]["step"] == 6:
-            raise KeyboardInterrupt
-
-    loop_mod.save_checkpoint = save_then_stop
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(recipe(1), log=lambda *a: None)
-    finally:
-        loop_mod.save_checkpoint = real_save
-    assert sorted(rows(tmp_path / "run")) == list(range(1, 7))
-
-    two_processes(tmp_path, recipe(2))
-    assert_same_steps(rows(tmp_path / "run"), rows(tmp / "two" / "run"), range(1, STEPS + 1))
-    assert not_safetensors_or_text(tmp_path / "run") == []
+    kill_and_resume_under_one_then_two(tmp_path, recipe, "fsdp2", tmp / "two" / "run")
 
 
 @pytest.fixture(scope="module")
@@ -262,13 +273,7 @@ def test_zero2_over_two_processes_trains_as_one_process(zero_runs):
         assert 0.45 * rank["trainable_bytes"] <= rank["zero_partition_bytes"] <= 0.55 * rank["trainable_bytes"], rank
         assert rank["drafter"]["local_bytes"] == rank["drafter"]["whole_bytes"], rank
     assert_same_steps(rows(tmp / "two" / "run"), rows(tmp / "one" / "run"), range(1, STEPS + 1))
-    w1, w2 = weights(tmp / "one" / "run"), weights(tmp / "two" / "run")
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        if w1[name].is_floating_point():
-            assert (w2[name] - w1[name]).norm() <= 1e-4 * w1[name].norm(), name
-        else:
-            assert torch.equal(w2[name], w1[name]), name
+    assert_same_weights(tmp / "two" / "run", tmp / "one" / "run")
 
 
 @pytest.mark.slow
@@ -282,30 +287,7 @@ def test_a_zero2_run_killed_resumes_under_one_then_two_processes(zero_runs, tmp_
         return tiny_recipe(fixture_target_dir, data, tmp_path, grad_accum_steps=2, batch_size=2 // processes,
                            max_steps=STEPS, sharding="zero2")
 
-    killed, facts = two_processes(tmp_path, recipe(2), die_at=3, expect_ok=False)
-    assert killed.returncode != 0 and facts[0]["sharding"] == "zero2"
-    assert sorted(rows(tmp_path / "run")) == [1, 2, 3]
-
-    import draftsmith.train.loop as loop_mod
-
-    real_save = loop_mod.save_checkpoint
-
-    def save_then_stop(*args, **kwargs):
-        real_save(*args, **kwargs)
-        if args[5]["step"] == 6:
-            raise KeyboardInterrupt
-
-    loop_mod.save_checkpoint = save_then_stop
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(recipe(1), log=lambda *a: None)
-    finally:
-        loop_mod.save_checkpoint = real_save
-    assert sorted(rows(tmp_path / "run")) == list(range(1, 7))
-
-    two_processes(tmp_path, recipe(2))
-    assert_same_steps(rows(tmp_path / "run"), rows(tmp / "two" / "run"), range(1, STEPS + 1))
-    assert not_safetensors_or_text(tmp_path / "run") == []
+    kill_and_resume_under_one_then_two(tmp_path, recipe, "zero2", tmp / "two" / "run")
 
 
 METHODS = ["eagle", "mtp", "dflash", "dspark", "gemma4_mtp"]
@@ -427,8 +409,8 @@ def test_the_scale_benchmark_measures_sharded_runs_on_cpu_processes(tmp_path, fi
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "scale.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.scale_train", "--cpu", "--gpus", "1,2,100000",
-                           "--runs", "fixture:ddp fixture:fsdp2+shard_target fixture:zero2", "--seq", "64", "--batch", "1",
-                           "--steps", "2", "--warmup", "1", "--draft-vocab", "512", "--tokenizer",
+                           "--runs", "fixture:ddp fixture:fsdp2+shard_target fixture:zero2", "--seq", "64",
+                           "--batch", "1", "--steps", "2", "--warmup", "1", "--draft-vocab", "512", "--tokenizer",
                            str(fixture_target_dir), "--workdir", str(tmp_path / "work"), "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,8 +8,8 @@ end of the probe one evaluation is timed too, and the plan is made for the steps
 plan_for_budget). EARLY_CHECK_STEPS later the step time is taken again, and a plan that is off by more than a
 quarter (compilation that outlasted the probe) is re-fitted at once; later it is re-fitted from the steady step
 time (optim.py replan) at the steps the plan names. The schedulers read the current plan through `factor`, so a
-new plan takes effect at the next step. The plan is saved with every
-checkpoint (trainer_state.json), so a resumed run keeps its schedule and the time it has spent.
+new plan takes effect at the next step. The plan is saved with every checkpoint (trainer_state.json), so a resumed
+run keeps its schedule and the time it has spent.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from draftsmith.train.optim import SchedulePlan, fixed_plan, plan_for_budget, pr
 
 EARLY_CHECK_STEPS = 5  # steps after the probe at which its step time is checked
 EARLY_CHECK_TOLERANCE = 0.25  # a step time this far off the plan's re-fits it then
-
-
 SETTLED = 1.5  # a step within this factor of the steady step time counts as steady
 
 

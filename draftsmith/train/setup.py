@@ -187,9 +187,7 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
     if sharding == "fsdp2":  # accelerate wraps only the optimizers (it skips their step inside an accumulation)
         prepared = accelerator.prepare(*optimizers)
         optimizers = list(prepared) if isinstance(prepared, (tuple, list)) else [prepared]
-    elif sharding in distributed.ZERO_STAGES:  # handed to DeepSpeed after a resume loaded them (below)
-        pass
-    else:
+    elif sharding == "ddp":  # under ZeRO they are handed to DeepSpeed after a resume loaded them (below)
         drafter, *optimizers = accelerator.prepare(drafter, *optimizers)
     register_state_hooks(accelerator)  # the weights live in model.safetensors, not in accelerate's state
     state = {"step": 0, "epoch": 0, "micro_batches_done": 0, "tokens_seen": 0, "train_seconds": 0.0}
