@@ -3,20 +3,22 @@ first steps take (torch.compile, FlexAttention, new batch shapes, allocator warm
 steady time, as the trainer's time budget measures it, in one JSON.
 
     python -m benchmarks.time_to_steady --out time_to_steady.json \
-        --runs "eagle3 eagle3:dynamic eagle mtp dflash dspark dspark:dynamic"
+        --runs "eagle3 eagle3:auto eagle mtp dflash dflash:auto dspark"
 
 A run is METHOD[:VARIANT]: `draftsmith train recipes/METHOD_fixture.yaml` on --data (ShareGPT records the fixture
 target saw), its own recipe but for --steps optimizer steps under a --minutes budget (the budget's 10-step probe
 times every step) and --eval-samples held out. VARIANT sets DRAFTSMITH_COMPILE_DYNAMIC (device.compile_dynamic):
-`dynamic` (1: shapes dynamic from the first compilation), `static` (0: one compilation per shape); none leaves
-torch's default (static until a shape changes, then recompiled dynamic).
+`dynamic` (1: shapes dynamic from the first compilation, draftsmith's default), `static` (0: one compilation per
+shape), `auto` (torch's default: static until a shape changes, then recompiled dynamic); none leaves it unset.
 
 Per run, from the trainer's own lines: `steady_from` (the first probe step after which every step ran within 1.5x
 of the steady time), `to_steady_s` (seconds from the first step's start to that step's start: the compilation and
 warm-up a user waits through), `steady_ms` (the median step time over the probe's second half), `early_replan`
 (whether the step time five steps after the probe was off by more than a quarter and re-planned the run), and
 `wall_s` of the whole command (process start, data and target loading included). Every run is its own process,
-one after another on one device; the data's tokenization is cached by the first run (data.cache_dir).
+one after another on one device; the data's tokenization is cached by the first run (data.cache_dir), torch's
+compile caches are not (each run has its own inductor and Triton cache folders, as a first run has, unless
+--warm-cache).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 from benchmarks.runinfo import run_info
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"": None, "dynamic": "1", "static": "0"}
+VARIANTS = {"": None, "dynamic": "1", "static": "0", "auto": "auto"}
 PLAN_LINE = re.compile(r"time budget [\d.]+ min: (?P<ms>[\d.]+) ms/step "
                        r"\(median of probe steps (?P<a>\d+)\.\.(?P<b>\d+)\).*?schedule to step (?P<total>\d+)"
                        r"(?:.*?steady from step (?P<steady>\d+), (?P<to>[\d.]+) s)?")
@@ -81,6 +83,9 @@ def run_one(method: str, variant: str, args) -> dict:
     if VARIANTS[variant] is not None:
         env["DRAFTSMITH_COMPILE_DYNAMIC"] = VARIANTS[variant]
     env.setdefault("TQDM_MININTERVAL", "30")
+    if not args.warm_cache:  # a cold compile, as a user's first run has: no kernels cached by an earlier run
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor-cache")
+        env["TRITON_CACHE_DIR"] = str(out / "triton-cache")
     print(f"{name}: {' '.join(command)}", flush=True)
     started = time.time()
     try:
@@ -101,7 +106,7 @@ def run_one(method: str, variant: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="eagle3 eagle3:dynamic eagle mtp dflash dspark")
+    parser.add_argument("--runs", default="eagle3 eagle mtp dflash dspark")
     parser.add_argument("--data", type=Path, default=ROOT / ".devdata" / "sharegpt_train.jsonl")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the probe is the first 10)")
     parser.add_argument("--minutes", type=float, default=5.0, help="training.max_minutes: the budget that probes")
@@ -109,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/time_to_steady"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="share torch's compile caches between runs (default: each run compiles cold, in its "
+                             "own cache folders under --workdir)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run (key=value)")
     args = parser.parse_args(argv)
     runs = parse_runs(args.runs)

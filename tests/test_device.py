@@ -262,3 +262,20 @@ def test_compile_drafter_auto_compiles_on_gpus_only(fake_cuda, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("DRAFTSMITH_COMPILE_DRAFTER", "0")
     assert not dev.compiled_drafter("cuda") and not auto_compile("cuda")
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("1", True), ("0", False), ("auto", None)])
+def test_compile_dynamic_defaults_to_dynamic_shapes(monkeypatch, value, expected):
+    """The drafter's compiled parts take dynamic shapes unless DRAFTSMITH_COMPILE_DYNAMIC says static (0) or torch's
+    own default (auto, passed to torch.compile as None)."""
+    if value is None:
+        monkeypatch.delenv("DRAFTSMITH_COMPILE_DYNAMIC", raising=False)
+    else:
+        monkeypatch.setenv("DRAFTSMITH_COMPILE_DYNAMIC", value)
+    assert dev.compile_dynamic() is expected
+
+
+def test_compile_dynamic_rejects_other_values_in_one_line(monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_DYNAMIC", "yes")
+    with pytest.raises(ValueError, match="DRAFTSMITH_COMPILE_DYNAMIC='yes': expected 1"):
+        dev.compile_dynamic()

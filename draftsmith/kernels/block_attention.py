@@ -67,7 +67,9 @@ def block_mask_mod(anchor_positions: torch.Tensor, context_length: int, block_si
 def _compiled_create_block_mask():
     # eager create_block_mask evaluates the mask_mod over the whole (B, Q, K) grid first (with int64 temporaries):
     # at 16 x 512 anchors x 16 slots over 2,048 tokens, 1.3 G elements. Compiled, it reduces tile by tile.
-    return torch.compile(flex.create_block_mask)
+    from draftsmith import device as dev
+
+    return torch.compile(flex.create_block_mask, dynamic=dev.compile_dynamic())
 
 
 def flex_block_mask(anchor_positions: torch.Tensor, context_length: int, block_size: int):

@@ -214,6 +214,7 @@ def _accelerator(recipe: Recipe, log):
     cfg, output_dir = recipe.training, Path(recipe.output_dir)
     kind, source = distributed.requested_sharding(cfg.sharding)
     check_sharding(recipe, kind, source)
+    dev.compile_dynamic()  # a bad DRAFTSMITH_COMPILE_DYNAMIC is one line now, not when the drafter first compiles
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = dev.mixed_precision_for(dev.get_device())
