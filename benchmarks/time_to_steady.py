@@ -18,7 +18,7 @@ warm-up a user waits through), `steady_ms` (the median step time over the probe'
 `wall_s` of the whole command (process start, data and target loading included). Every run is its own process,
 one after another on one device; the data's tokenization is cached by the first run (data.cache_dir), torch's
 compile caches are not (each run has its own inductor and Triton cache folders, as a first run has, unless
---warm-cache).
+--warm-cache). --log-dir keeps each run's whole output (set TORCH_LOGS=recompiles to see what recompiled).
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ def run_one(method: str, variant: str, args) -> dict:
         code, text = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
     row = {"run": name, "method": method, "compile_dynamic": VARIANTS[variant], "command": " ".join(command),
            "wall_s": round(time.time() - started, 1), "returncode": code}
+    if args.log_dir is not None:  # the whole output, for TORCH_LOGS=recompiles and the like
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        (args.log_dir / f"{name.replace(':', '-')}.log").write_text(text)
     lines = text.splitlines()
     row.update(read_trainer_lines(lines))
     if code != 0:
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/time_to_steady"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--log-dir", type=Path, help="write each run's whole output (stdout and stderr) here")
     parser.add_argument("--warm-cache", action="store_true",
                         help="share torch's compile caches between runs (default: each run compiles cold, in its "
                              "own cache folders under --workdir)")
