@@ -89,7 +89,8 @@ def run_one(method: str, variant: str, args) -> dict:
     print(f"{name}: {' '.join(command)}", flush=True)
     started = time.time()
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout,
+                              check=False)
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         code, text = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
