@@ -335,3 +335,26 @@ def test_a_non_finite_draft_never_counts_as_correct():
     logits = torch.full((1, 4, VD), float("nan"))
     _, m = ttt_loss([logits], teacher, torch.ones(1, 4, dtype=torch.bool), torch.ones(1, 4, dtype=torch.long))
     assert m["acc_0"].item() == 0.0 and m["sim_accept_len"].item() == 1.0
+
+
+def test_compiled_ttt_halves_compile_once_under_autocast():
+    """Under bf16 autocast with fp32 weights (how the trainer runs), fc's bf16 output starts the unroll and every
+    later step hands on an fp32 hidden: the unroll takes one dtype throughout, so each compiled step half compiles
+    once, not once per dtype (a second compile cost ~10 s of EAGLE-3's first step on an H100)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from draftsmith.models.eagle3.training import TTTOptions, apply_training_options
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    drafter = apply_training_options(tiny_drafter(**ALL_FLAGS).train(),
+                                     TTTOptions(attention="reference", compile=True, compile_backend=counter))
+    aux, token_embeds = torch.randn(2, 9, 3 * H), torch.randn(2, 9, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = tiny_drafter(**ALL_FLAGS).forward_ttt(aux, token_embeds, num_steps=4, return_hidden=True)
+        hidden = drafter.forward_ttt(aux, token_embeds, num_steps=4, return_hidden=True)
+    assert {h.dtype for h in hidden} == {torch.float32}
+    assert counter.frame_count == 2  # step_qkv and step_finish, one graph each
+    for got, want in zip(hidden, eager):
+        torch.testing.assert_close(got, want)
+    torch._dynamo.reset()

@@ -110,7 +110,9 @@ def _attend(q, keys0, values0, diag_keys, diag_values, scale: float, offset: int
     out = probs[..., :n] @ values0  # (B, h, c, hd)
     for j, dv in enumerate(diag_values):
         out = out + probs[..., n + j: n + j + 1] * dv
-    return out
+    # under autocast q is fp32 (RoPE) and the values bf16, so steps 1.. would give fp32 and step 0 bf16: one dtype
+    # (what o_proj casts to anyway), so a compiled step half downstream compiles once
+    return out.to(values0.dtype)
 
 
 def ttt_attention_reference(q, keys0, values0, diag_keys, diag_values, scale: float, doc_ids=None):

@@ -181,7 +181,9 @@ class Eagle3Drafter(nn.Module):
         b, s, _ = token_embeds.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=token_embeds.device).unsqueeze(0).expand(b, -1)
-        hidden = self.fuse(aux_hidden)  # (B, S, H)
+        # (B, S, H) in the dtype every later step's output hidden has (the weights': under autocast fc gives bf16,
+        # the residual stream fp32), so each compiled step half sees one dtype and compiles once, not twice
+        hidden = self.fuse(aux_hidden).to(self.norm.weight.dtype)
         attend, repeat_kv = self.ttt_kernels.attention(b, self.config.num_attention_heads, s, num_steps,
                                                        token_embeds.device, query_block, doc_ids)  # for every step
         keys0 = values0 = None
