@@ -95,6 +95,21 @@ def test_flex_attention_equals_the_reference_on_the_cpu(steps, packed, heads, kv
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_every_step_hands_on_one_layout():
+    """The unroll's compiled second half guards on its input's strides: FlexAttention's output takes q's layout
+    (RoPE'd projections are (B, S, h, hd) transposed), the joined steps' a contiguous one. Step 0 differing
+    recompiled that half in the first training step (the recompile log on an H100)."""
+    def as_projected(x):  # (B, h, S, hd) laid out as (B, S, h, hd), as a projection's view is
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    q, k0, v0, dks, dvs = inputs(steps=2)
+    q, k0, v0, dks, dvs = as_projected(q), as_projected(k0), as_projected(v0), dks, dvs
+    mask = flex_block_mask(None, 2, q.shape[2], "cpu")
+    layouts = {ttt_attention_flex(q, k0, v0, dks[:n], dvs[:n], 0.3, mask).stride() for n in range(3)}
+    layouts.add(ttt_attention_reference(q, k0, v0, dks, dvs, 0.3).stride())
+    assert len(layouts) == 1, layouts
+
+
 def test_the_kernel_takes_autocasts_mixed_dtypes_in_the_reference_dtype(monkeypatch):
     """Under autocast q and k leave RoPE in float32 and v its Linear in bfloat16; FlexAttention's backward refuses
     mixed dtypes (seen on the GPU), so all three enter the kernel in the autocast dtype, as the reference's

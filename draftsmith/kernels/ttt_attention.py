@@ -200,8 +200,8 @@ def ttt_attention_flex(q, keys0, values0, diag_keys, diag_values, scale: float, 
     """`ttt_attention_reference` (same arguments; `block_mask` from `flex_block_mask` in place of doc_ids): the
     step-0 part by FlexAttention, the diagonals joined through its log-sum-exp (see module)."""
     out0, lse0 = flex_with_lse(q, keys0, values0, block_mask, scale)  # (B, h, S, hd), (B, h, S) float32
-    if not diag_keys:
-        return out0
+    if not diag_keys:  # in the joined steps' (contiguous) layout, not q's: the compiled step half that reads it
+        return out0.contiguous()  # guards on its strides and would compile again for the second step
     b, h, s, hd = q.shape
     kv = keys0.shape[1]
     grouped = q.view(b, kv, h // kv, s, hd)  # query head n = (n // g, n % g), as repeat_interleave lays keys out
