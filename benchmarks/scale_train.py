@@ -1,10 +1,10 @@
 """Sharded training across the GPUs of one host: `draftsmith train` launched as users launch it (accelerate launch
-with recipes/accelerate/ddp.yaml, fsdp.yaml or deepspeed_zero2.yaml), EAGLE-3 online on random-weight targets
+with recipes/accelerate/ddp.yaml, fsdp.yaml, deepspeed_zero2.yaml or deepspeed_zero3.yaml), EAGLE-3 online on random-weight targets
 built from config and saved once (no download): tokens/s per GPU, peak memory of every process, and scaling
 efficiency, in one JSON.
 
     python -m benchmarks.scale_train --gpus 1,2,4,8 --out scale_train.json \
-        --runs "8b:ddp 8b:fsdp2 8b:zero2 70bL16:ddp 70bL16:fsdp2+shard_target 70b:fsdp2+shard_target"
+        --runs "8b:ddp 8b:fsdp2 8b:zero2 8b:zero3 70bL16:ddp 70bL16:fsdp2+shard_target 70b:fsdp2+shard_target"
 
 A run is SHAPE:SHARDING[+shard_target], measured at every world size of --gpus that this host has (the others are
 recorded as not run, so the first machine with more GPUs measures them with this same command):
@@ -12,7 +12,7 @@ recorded as not run, so the first machine with more GPUs measures them with this
     SHAPE     8b (Llama-3.1-8B), 70b (Llama-3.1-70B: 140 GB of bf16 weights, larger than one H200), 70bL<N> (the
               70B shape cut to its first N decoder layers, to fit one GPU as the baseline), fixture (the shape of
               the 19M fixture target: the CPU smoke run)
-    SHARDING  ddp (the whole drafter on each process), fsdp2 or zero2 (DeepSpeed ZeRO-2; both
+    SHARDING  ddp (the whole drafter on each process), fsdp2, zero2 or zero3 (DeepSpeed ZeRO-2 / ZeRO-3; all
               draftsmith/distributed.py); +shard_target (fsdp2) also
               shards the target's decoder layers (training.shard_target; needs 2 processes or more)
 
@@ -51,7 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DEFAULT_TOKENIZER = next((p for p in (ROOT / ".fixture" / "sharegpt-llama-19m",
                                       ROOT.parent / "shared" / "fixtures" / "targets" / "sharegpt-llama-19m")
                           if p.is_dir()), ROOT / ".fixture" / "sharegpt-llama-19m")
-RUN = re.compile(r"^(8b|70b|70bL\d+|fixture):(ddp|fsdp2|zero2)(\+shard_target)?$")
+RUN = re.compile(r"^(8b|70b|70bL\d+|fixture):(ddp|fsdp2|zero2|zero3)(\+shard_target)?$")
 
 
 def shape_of(name: str) -> dict:
@@ -69,7 +69,7 @@ def parse_runs(text: str) -> list[tuple[str, str, bool]]:
         match = RUN.match(item)
         if not match:
             raise SystemExit(f"--runs: {item!r} is not SHAPE:SHARDING[+shard_target] with SHAPE 8b, 70b, 70bL<N> or "
-                             "fixture and SHARDING ddp, fsdp2 or zero2")
+                             "fixture and SHARDING ddp, fsdp2, zero2 or zero3")
         runs.append((match[1], match[2], bool(match[3])))
     return runs
 
@@ -163,8 +163,8 @@ def launch_command(world: int, sharding: str, recipe: Path, on_cpu: bool) -> tup
         env.update(ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
         return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
                  "127.0.0.1", "--master_port", str(free_port()), "-m", "draftsmith.train", str(recipe)], env)
-    config = ROOT / "recipes" / "accelerate" / {"fsdp2": "fsdp.yaml", "zero2": "deepspeed_zero2.yaml"}.get(sharding,
-                                                                                                   "ddp.yaml")
+    configs = {"fsdp2": "fsdp.yaml", "zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml"}
+    config = ROOT / "recipes" / "accelerate" / configs.get(sharding, "ddp.yaml")
     return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
              str(world), "-m", "draftsmith.train", str(recipe)], env)
 

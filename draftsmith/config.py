@@ -254,8 +254,8 @@ class TrainingConfig(BaseModel):
     # folder you trust (train/state.py)
     trust_run_folder: bool = False
     # How the drafter is spread over the processes (draftsmith/distributed.py): fsdp2 shards its parameters,
-    # gradients and optimizer state with torch's fully_shard; zero1 / zero2 partition its optimizer state / and
-    # gradients with DeepSpeed ZeRO (GPUs, NPUs and CPUs alike, both; zero3 is refused: distributed.py says why);
+    # gradients and optimizer state with torch's fully_shard; zero1 / zero2 / zero3 partition its optimizer state /
+    # and gradients / and parameters with DeepSpeed ZeRO (GPUs, NPUs and CPUs alike, both);
     # ddp keeps a whole copy on every process; auto: what the accelerate launcher config asks
     # (recipes/accelerate/fsdp.yaml: fsdp2; deepspeed_zero2.yaml: its zero_stage), else ddp
     sharding: Literal["auto", "ddp", "fsdp2", "zero1", "zero2", "zero3"] = "auto"

@@ -5,16 +5,17 @@ ZeRO (`deepspeed.initialize`); it writes no sharding of its own.
     ddp    every process holds the whole drafter and its optimizer state (accelerate's DistributedDataParallel)
     fsdp2  the drafter's parameters, gradients and optimizer state are DTensors sharded over the processes (one
            FSDP2 unit: shard_drafter says why)
-    zero1  DeepSpeed ZeRO stage 1 / 2: the optimizer state / and the gradients partitioned over the processes
-    zero2  (deepspeed_engine); ZeRO-3 is refused (deepspeed_engine says why): FSDP2 shards the parameters
+    zero1  DeepSpeed ZeRO stage 1 / 2 / 3: the optimizer state / and the gradients / and the parameters
+    zero2  partitioned over the processes (deepspeed_engine); ZeRO-3 gathers each module's parameters around its
+    zero3  forward and backward by DeepSpeed's hooks
 
 A run asks for sharding with `training.sharding`, or, left at `auto`, with accelerate's launcher config (`accelerate
 launch --config_file recipes/accelerate/fsdp.yaml`, which sets ACCELERATE_USE_FSDP and FSDP_VERSION;
-deepspeed_zero2.yaml, which sets ACCELERATE_USE_DEEPSPEED and its stage). draftsmith calls `fully_shard` and
-`deepspeed.initialize` itself on every device, so the CPU (gloo) runs of the tests are the very code a GPU run
-takes: accelerate's multi-CPU mode has no FSDP, and its DeepSpeed on a CPU gives every process a world of one;
-both would train something else without a word. accelerate still launches the processes, owns the process group,
-autocast and the accumulation count.
+deepspeed_zero2.yaml / deepspeed_zero3.yaml, which set ACCELERATE_USE_DEEPSPEED and the stage). draftsmith calls
+`fully_shard` and `deepspeed.initialize` itself on every device, so the CPU (gloo) runs of the tests are the very
+code a GPU run takes: accelerate's multi-CPU mode has no FSDP, and its DeepSpeed on a CPU gives every process a world
+of one; both would train something else without a word. accelerate still launches the processes, owns the process
+group, autocast and the accumulation count.
 
 The frozen target can be sharded too (`training.shard_target`): FSDP2 over its decoder layers alone, forward only;
 its embeddings, final norm and head stay whole on every process, since the losses read them outside the forward
@@ -57,7 +58,7 @@ def requested_sharding(setting: str, environ=os.environ) -> tuple[str, str]:
     return kind, source or "training.sharding=auto"
 
 
-ZERO_STAGES = {"zero1": 1, "zero2": 2}  # what deepspeed_engine runs; "zero3" is asked for, and refused
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}  # what deepspeed_engine runs
 LAUNCHER_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
@@ -147,9 +148,11 @@ def plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a DTensor (a sharded parameter), else the tensor."""
+    """This process's part of a DTensor (a sharded parameter) or of a ZeRO-3 parameter, else the tensor."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(tensor, "ds_tensor"):  # ZeRO-3: the parameter's own data is empty outside its module's forward
+        return tensor.ds_tensor
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -163,8 +166,14 @@ def all_processes(flags: torch.Tensor) -> torch.Tensor:
 
 
 def local_bytes(module: nn.Module) -> int:
-    """Bytes of `module`'s parameters this process holds (a DTensor's local shard, a plain tensor whole)."""
+    """Bytes of `module`'s parameters this process holds (a DTensor's local shard, a ZeRO-3 partition, a plain
+    tensor whole)."""
     return sum(local(p).nbytes for p in module.parameters())
+
+
+def whole_bytes(module: nn.Module) -> int:
+    """Bytes of `module`'s parameters whole, however they are spread (a ZeRO-3 parameter's own size is 0)."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
 
 
 @contextlib.contextmanager
@@ -190,7 +199,14 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict (the caller moves it to the CPU). Under FSDP2 every process calls it (a gather, onto
     the CPU) and only the main process gets the tensors (the others an empty dict). ZeRO-1/2 keep the parameters
     whole on every process: fp32 (draftsmith gives DeepSpeed no bf16 config), each step's partitions gathered back
-    into them, so they are the master weights."""
+    into them, so they are the master weights. Under ZeRO-3 every process calls it: each fp32 master weight is
+    gathered from the partitions (every process gets it)."""
+    if is_zero3(model):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = dict(model.named_parameters())
+        return {name: safe_get_full_fp32_param(params[name]) if name in params else tensor
+                for name, tensor in model.state_dict().items()}
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -263,21 +279,27 @@ _ZERO_GROUP_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def is_zero(model: nn.Module) -> bool:
     """Whether `model` (the drafter inside a DeepSpeed engine) is partitioned by ZeRO: its parameters carry
-    DeepSpeed's map to their fragment of the fp32 partitions."""
-    return any(hasattr(p, "_hp_mapping") for p in model.parameters())
+    DeepSpeed's map to their fragment of the fp32 partitions (stages 1 and 2), or are ZeRO-3 parameters."""
+    return any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for p in model.parameters())
+
+
+def is_zero3(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are partitioned by ZeRO-3 (whole only inside their module's forward)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def deepspeed_engine(drafter: nn.Module, optimizer: torch.optim.Optimizer, stage: int, grad_accum: int,
                      max_grad_norm: float):
-    """`drafter` and its (built, maybe resumed) optimizer handed to DeepSpeed ZeRO stage 1 or 2; returns the
+    """`drafter` and its (built, maybe resumed) optimizer handed to DeepSpeed ZeRO stage 1, 2 or 3; returns the
     engine, which the loop calls, backpropagates through and steps (`zero_step`). Called after a resume: the plain
     optimizer's per-parameter state is carried into ZeRO's partitions, so a checkpoint of any sharding resumes.
 
-    Not stage 3: ZeRO-3 gathers a module's parameters around its forward and backward by hooks, and every method's
-    drafter uses its weights where those hooks do not hold them (the loss inside the forward, its head's gradient
-    taken there, TTT steps reusing a layer). Tried with the whole drafter one ZeRO-3 leaf module (as FSDP2's one
-    unit): DeepSpeed 0.19.8 had partitioned a weight again before its gradient was accumulated, even for two
-    Linear layers whose loss is computed inside the forward. FSDP2 shards the parameters on every device instead."""
+    ZeRO-3 gathers each module's parameters around its forward and backward by hooks, per module as DeepSpeed
+    traces them (not the whole drafter as one leaf module: DeepSpeed 0.19.8 then partitioned a weight again before
+    its gradient was taken, even for two Linear layers whose loss is computed inside the forward). Every parameter
+    is partitioned (persistence threshold 0: a drafter's small parameters, its norms, are few, and so each process
+    holds 1/N of it); the losses that read a head outside its module's forward take their plain-torch path there
+    (kernels/chunked_loss.py). The drafter's step is not compiled under any sharding (eagle3/training.py)."""
     import logging
 
     import deepspeed
@@ -293,8 +315,12 @@ def deepspeed_engine(drafter: nn.Module, optimizer: torch.optim.Optimizer, stage
     group_names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     carried = {name_of[id(p)]: dict(entries) for p, entries in optimizer.state.items()}
     optimizer.state.clear()  # ZeRO keeps the state of its flat partitions, built below
+    zero = {"stage": stage}
+    if stage == 3:  # every parameter partitioned; torch's F.linear left as it is (DeepSpeed's "memory efficient
+        # linear" replaces it for the whole process, the frozen target's compiled layers included)
+        zero.update(stage3_param_persistence_threshold=0, memory_efficient_linear=False)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": grad_accum,
-              "gradient_clipping": max_grad_norm, "zero_optimization": {"stage": stage},
+              "gradient_clipping": max_grad_norm, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=drafter, optimizer=optimizer, config=config)
     _ZERO_GROUP_NAMES[optimizer] = group_names
@@ -306,7 +332,13 @@ def deepspeed_engine(drafter: nn.Module, optimizer: torch.optim.Optimizer, stage
 def zero_partitions(engine) -> list[torch.Tensor]:
     """The flat fp32 partitions this process's optimizer steps under ZeRO (what DeepSpeed's own checkpoints save
     as its fp32 groups)."""
-    return list(engine.optimizer.single_partition_of_fp32_groups)
+    return list(_flat_partitions(engine.optimizer))
+
+
+def _flat_partitions(zero_optimizer) -> list[torch.Tensor]:
+    if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # stage 3
+        return zero_optimizer.fp32_partitioned_groups_flat
+    return zero_optimizer.single_partition_of_fp32_groups
 
 
 def accumulation_model(model: nn.Module) -> nn.Module:
@@ -355,15 +387,19 @@ def _zero_optimizer_state(model: nn.Module, optimizer) -> dict:
 def _load_zero_optimizer_state(model: nn.Module, optimizer, zero_optimizer, carried: dict[str, dict]) -> None:
     """A plain optimizer's per-parameter state (loaded from a checkpoint before DeepSpeed took it) into ZeRO's
     partitions: each flat partition's state made as torch's first step would, linked to its parameters' fragments
-    (as DeepSpeed does after its first step), then filled from the whole tensors."""
+    (as DeepSpeed does after its first step; ZeRO-3 finds them by its own index), then filled from the whole
+    tensors."""
     from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_set_full_optimizer_state
 
     first = next(iter(carried.values()))
     keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
-    for params, flat in zip(zero_optimizer.bit16_groups, zero_optimizer.single_partition_of_fp32_groups):
+    stage3 = hasattr(zero_optimizer, "fp32_partitioned_groups_flat")
+    groups = zero_optimizer.fp16_groups if stage3 else zero_optimizer.bit16_groups
+    for params, flat in zip(groups, _flat_partitions(zero_optimizer)):
         optimizer.state[flat] = {"step": torch.as_tensor(first["step"]).clone(),
                                  **{key: torch.zeros_like(flat) for key in keys}}
-        lazy_init_hp_params_optimizer_state(params, flat, optimizer.state)
+        if not stage3:
+            lazy_init_hp_params_optimizer_state(params, flat, optimizer.state)
     params = dict(model.named_parameters())
     for name, entries in carried.items():
         for key in keys:

@@ -68,9 +68,10 @@ def test_accelerate_configs_parse(path):
 
 def test_accelerate_configs_present():
     names = {p.stem for p in (RECIPES / "accelerate").glob("*.yaml")}
-    assert names >= {"ddp", "fsdp", "deepspeed_zero2"}
-    zero2 = yaml.safe_load((RECIPES / "accelerate" / "deepspeed_zero2.yaml").read_text())
-    assert zero2["deepspeed_config"]["zero_stage"] == 2
+    assert names >= {"ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"}
+    for stage in (2, 3):
+        config = yaml.safe_load((RECIPES / "accelerate" / f"deepspeed_zero{stage}.yaml").read_text())
+        assert config["deepspeed_config"]["zero_stage"] == stage
 
 
 def test_defaults_fill_in():

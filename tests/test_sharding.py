@@ -1,4 +1,4 @@
-"""FSDP2 and DeepSpeed ZeRO-2 on two CPU processes (gloo, torchrun: the very code a GPU run takes,
+"""FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 on two CPU processes (gloo, torchrun: the very code a GPU run takes,
 draftsmith/distributed.py): the drafter sharded trains as one process does on the same global batch; the frozen
 target sharded over the processes captures the unsharded target's states; a sharded run's checkpoint (safetensors +
 JSON, no pickle) resumes under 1 and 2 processes; a sharding the run cannot do is one line before the target
@@ -31,14 +31,16 @@ STEPS = 9  # checkpoints at 3, 6 and 9
 PROBE = """
 import json, os, sys
 from pathlib import Path
+import torch
 from draftsmith import distributed
 from draftsmith.train import loop
 
 def held(module):
     params = list(module.parameters())
     return {"dtensors": sum(type(p).__name__ == "DTensor" for p in params), "params": len(params),
+            "zero3": sum(hasattr(p, "ds_id") for p in params),
             "local_bytes": distributed.local_bytes(module),
-            "whole_bytes": sum(p.numel() * p.element_size() for p in params)}
+            "whole_bytes": distributed.whole_bytes(module)}
 
 real_train_run, real_save = loop.train_run, loop.save_checkpoint
 
@@ -46,7 +48,8 @@ def probe_then_train(run, *args, **kwargs):
     target = run.target
     facts = {"drafter": held(run.drafter), "sharding": run.sharding,
              "target_layers": held(target.layers), "target_embeddings": held(target.embed_tokens),
-             "trainable_bytes": sum(p.numel() * p.element_size() for p in run.trainable)}
+             "trainable_bytes": sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in run.trainable),
+             "torch_linear": torch.nn.functional.linear is torch._C._nn.linear}
     if run.sharding in distributed.ZERO_STAGES:  # what this process's optimizer steps (and keeps state for)
         facts["zero_partition_bytes"] = sum(flat.nbytes for flat in distributed.zero_partitions(run.drafter))
     Path(os.environ["PROBE_DIR"], f"rank{run.accelerator.process_index}.json").write_text(json.dumps(facts))
@@ -85,11 +88,12 @@ def two_processes(folder: Path, recipe, *, die_at: int | None = None, expect_ok:
 
 
 def assert_about_half(facts, part):
-    """Each of the 2 processes holds about half of `part`'s parameter bytes (FSDP2 pads a shard by a row at most)."""
+    """Each of the 2 processes holds about half of `part`'s parameter bytes (FSDP2 pads a shard by a row at most),
+    every parameter a DTensor (FSDP2) or a ZeRO-3 partition."""
     whole = facts[0][part]["whole_bytes"]
     for rank in facts:
         assert 0.45 * whole <= rank[part]["local_bytes"] <= 0.55 * whole, (part, rank[part], whole)
-        assert rank[part]["dtensors"] == rank[part]["params"] > 0, (part, rank[part])
+        assert max(rank[part]["dtensors"], rank[part]["zero3"]) == rank[part]["params"] > 0, (part, rank[part])
 
 
 def assert_same_steps(got, want, steps, loss_rel=1e-5, norm_rel=1e-4):
@@ -244,50 +248,60 @@ def test_a_sharded_run_killed_resumes_under_one_then_two_processes(runs, tmp_pat
     kill_and_resume_under_one_then_two(tmp_path, recipe, "fsdp2", tmp / "two" / "run")
 
 
-@pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory, fixture_target_dir):
+@pytest.fixture(scope="module", params=["zero2", "zero3"])
+def zero_runs(request, tmp_path_factory, fixture_target_dir):
     """EAGLE-3, 9 steps of 2 accumulated micro-batches at a global batch of 2 each: one process (batch 2), and
-    DeepSpeed ZeRO-2 over two processes (batch 1 each), launched as a user does: accelerate launch --config_file
-    recipes/accelerate/deepspeed_zero2.yaml (made for GPUs; on this CPU host draftsmith joins the processes)."""
-    tmp = tmp_path_factory.mktemp("zero2")
+    DeepSpeed ZeRO-2 / ZeRO-3 over two processes (batch 1 each), launched as a user does: accelerate launch
+    --config_file recipes/accelerate/deepspeed_zero{2,3}.yaml (made for GPUs; on this CPU host draftsmith joins the
+    processes)."""
+    stage = request.param
+    tmp = tmp_path_factory.mktemp(stage)
     data = write_conversations(tmp / "conv.jsonl")
     train(tiny_recipe(fixture_target_dir, data, tmp / "one", grad_accum_steps=2, batch_size=2, max_steps=STEPS),
           log=lambda *a: None)
     (tmp / "two").mkdir()
-    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "deepspeed_zero2.yaml"
+    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / f"deepspeed_{stage}.yaml"
     run, facts = two_processes(tmp / "two", tiny_recipe(fixture_target_dir, data, tmp / "two", grad_accum_steps=2,
                                                         batch_size=1, max_steps=STEPS), launcher_config=config)
-    return tmp, data, facts, run
+    return stage, tmp, data, facts, run
 
 
 @pytest.mark.slow
-def test_zero2_over_two_processes_trains_as_one_process(zero_runs):
-    """DeepSpeed ZeRO-2 (deepspeed.initialize called by draftsmith, gloo): losses to 1e-5 and gradient norms to 1e-4
-    of one process's every step, through gradient accumulation (DeepSpeed's boundary set from accelerate's count),
-    final weights to 1e-4 of each tensor's norm; each process steps about half the drafter's parameters (its
-    partition of the fp32 master weights and optimizer state), while its forward holds them whole."""
-    tmp, _, facts, run = zero_runs
-    assert [f["sharding"] for f in facts] == ["zero2", "zero2"]
-    assert "sharding: DeepSpeed ZeRO-2 over 2 processes" in run.stdout
+def test_zero_over_two_processes_trains_as_one_process(zero_runs):
+    """DeepSpeed ZeRO-2 / ZeRO-3 (deepspeed.initialize called by draftsmith, gloo): losses to 1e-5 and gradient norms
+    to 1e-4 of one process's every step, through gradient accumulation (DeepSpeed's boundary set from accelerate's
+    count), final weights to 1e-4 of each tensor's norm; each process steps about half the drafter's parameters
+    (its partition of the fp32 master weights and optimizer state). Under ZeRO-2 its forward holds them whole;
+    under ZeRO-3 each process holds about half of them too (a fallback to ZeRO-2 or DDP fails here), and torch's
+    F.linear stays torch's (DeepSpeed's ZeRO-3 "memory efficient linear" would replace it for the whole process)."""
+    stage, tmp, _, facts, run = zero_runs
+    assert [f["sharding"] for f in facts] == [stage, stage]
+    assert all(f["torch_linear"] for f in facts)
+    assert f"sharding: DeepSpeed ZeRO-{stage[-1]} over 2 processes" in run.stdout
     for rank in facts:
         assert 0.45 * rank["trainable_bytes"] <= rank["zero_partition_bytes"] <= 0.55 * rank["trainable_bytes"], rank
-        assert rank["drafter"]["local_bytes"] == rank["drafter"]["whole_bytes"], rank
+        drafter = rank["drafter"]
+        if stage == "zero2":
+            assert drafter["local_bytes"] == drafter["whole_bytes"], rank
+        else:
+            assert 0.45 * drafter["whole_bytes"] <= drafter["local_bytes"] <= 0.55 * drafter["whole_bytes"], rank
     assert_same_steps(rows(tmp / "two" / "run"), rows(tmp / "one" / "run"), range(1, STEPS + 1))
     assert_same_weights(tmp / "two" / "run", tmp / "one" / "run")
 
 
 @pytest.mark.slow
-def test_a_zero2_run_killed_resumes_under_one_then_two_processes(zero_runs, tmp_path, fixture_target_dir):
-    """ZeRO-2 on 2 processes killed after the step-3 checkpoint, resumed by 1 process and stopped after step 6,
-    resumed by 2 processes (ZeRO-2) to step 9: the losses of the uninterrupted ZeRO-2 run (the optimizer state
-    gathered from the partitions, then carried into them again), with no pickle and no trust flag."""
-    tmp, data, _, _ = zero_runs
+def test_a_zero_run_killed_resumes_under_one_then_two_processes(zero_runs, tmp_path, fixture_target_dir):
+    """ZeRO-2 / ZeRO-3 on 2 processes killed after the step-3 checkpoint, resumed by 1 process and stopped after
+    step 6, resumed by 2 processes (the same stage) to step 9: the losses of the uninterrupted run (the weights and
+    optimizer state gathered from the partitions, then carried into them again), with no pickle and no trust
+    flag."""
+    stage, tmp, data, _, _ = zero_runs
 
     def recipe(processes):
         return tiny_recipe(fixture_target_dir, data, tmp_path, grad_accum_steps=2, batch_size=2 // processes,
-                           max_steps=STEPS, sharding="zero2")
+                           max_steps=STEPS, sharding=stage)
 
-    kill_and_resume_under_one_then_two(tmp_path, recipe, "zero2", tmp / "two" / "run")
+    kill_and_resume_under_one_then_two(tmp_path, recipe, stage, tmp / "two" / "run")
 
 
 METHODS = ["eagle", "mtp", "dflash", "dspark", "gemma4_mtp"]
@@ -297,8 +311,9 @@ METHODS = ["eagle", "mtp", "dflash", "dspark", "gemma4_mtp"]
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_sharded_as_under_ddp(method, tmp_path, fixture_target_dir):
     """Each other method's pinned recipe (tests/test_pinned_losses.py), 4 steps on 2 processes: FSDP2 with the
-    target sharded gives DDP's losses and gradient norms. (Against one process these methods differ under DDP as
-    well: they normalise each process's loss by its own tokens, or draw their anchors per process.)"""
+    target sharded, and DeepSpeed ZeRO-3, give DDP's losses and gradient norms. (Against one process these methods
+    differ under DDP as well: they normalise each process's loss by its own tokens, or draw their anchors per
+    process.)"""
     from test_pinned_losses import OVERRIDES, TRAINING, tiny_gemma4
     from test_pinned_losses import write_conversations as chats
 
@@ -311,7 +326,7 @@ def test_every_method_trains_sharded_as_under_ddp(method, tmp_path, fixture_targ
         extra = {"gemma4_mtp": {"assistant": str(assistant)}}
     data = chats(tmp_path / "chats.jsonl")
     got = {}
-    for sharding in ("ddp", "fsdp2"):
+    for sharding in ("ddp", "fsdp2", "zero3"):
         folder = tmp_path / sharding
         folder.mkdir()
         recipe = {"model": {"target": str(target), "method": method, "dtype": "float32"},
@@ -322,11 +337,13 @@ def test_every_method_trains_sharded_as_under_ddp(method, tmp_path, fixture_targ
         for section, values in OVERRIDES[method].items():
             recipe.setdefault(section, {}).update(values)
         _, facts = two_processes(folder, recipe_from_dict(recipe))
-        if sharding == "fsdp2":
+        if sharding != "ddp":
             assert_about_half(facts, "drafter")
+        if sharding == "fsdp2":
             assert_about_half(facts, "target_layers")
         got[sharding] = rows(folder / "run")
     assert_same_steps(got["fsdp2"], got["ddp"], range(1, 5))
+    assert_same_steps(got["zero3"], got["ddp"], range(1, 5))
 
 
 # ---- refused in one line, before the target loads ------------------------------------------------------------------
@@ -343,9 +360,8 @@ def no_target(monkeypatch):
 
 @pytest.mark.parametrize("case, env, training, words", [
     ("fsdp1", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, {}, "FSDP1 is not supported"),
-    ("zero3 launcher", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, {},
-     "DeepSpeed ZeRO stages 1 and 2"),
-    ("zero3 recipe", {}, {"sharding": "zero3"}, "launch with recipes/accelerate/deepspeed_zero2.yaml"),
+    ("zero stage 4 launcher", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "4"}, {},
+     "DeepSpeed ZeRO stages 1, 2 and 3"),
     ("muon under zero2", {}, {"sharding": "zero2", "optimizer": "muon"}, "DeepSpeed takes one"),
     ("optimizer offload", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, {}, "offload_optimizer_device"),
@@ -409,7 +425,7 @@ def test_the_scale_benchmark_measures_sharded_runs_on_cpu_processes(tmp_path, fi
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "scale.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.scale_train", "--cpu", "--gpus", "1,2,100000",
-                           "--runs", "fixture:ddp fixture:fsdp2+shard_target fixture:zero2", "--seq", "64",
+                           "--runs", "fixture:ddp fixture:fsdp2+shard_target fixture:zero3", "--seq", "64",
                            "--batch", "1", "--steps", "2", "--warmup", "1", "--draft-vocab", "512", "--tokenizer",
                            str(fixture_target_dir), "--workdir", str(tmp_path / "work"), "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
@@ -422,6 +438,6 @@ def test_the_scale_benchmark_measures_sharded_runs_on_cpu_processes(tmp_path, fi
     assert any(line.startswith("sharding: FSDP2 over 2 processes") for line in sharded["trainer_says"])
     assert any(line.startswith("target: decoder layers sharded over 2") for line in sharded["trainer_says"])
     assert "this host has" in runs["fixture:ddp@100000"]["not_run"]
-    zero2 = runs["fixture:zero2@2"]
-    assert zero2["tokens_per_s_per_gpu"] > 0
-    assert any(line.startswith("sharding: DeepSpeed ZeRO-2 over 2 processes") for line in zero2["trainer_says"])
+    zero3 = runs["fixture:zero3@2"]
+    assert zero3["tokens_per_s_per_gpu"] > 0
+    assert any(line.startswith("sharding: DeepSpeed ZeRO-3 over 2 processes") for line in zero3["trainer_says"])

@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # annotations only: the target's module loads transformers
     from draftsmith.models.target import TargetModel
 
 METRICS_FILE = "metrics.jsonl"
-SHARDING_NAMES = {"fsdp2": "FSDP2", "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2"}
+SHARDING_NAMES = {"fsdp2": "FSDP2", "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2",
+                  "zero3": "DeepSpeed ZeRO-3"}
 TOKENIZER_PADDING = 1024  # embedding rows past the tokenizer that models pad with (Qwen3: 267), not a mismatch
 
 
@@ -208,7 +209,8 @@ def setup(recipe: Recipe, log=print, closing: contextlib.ExitStack | None = None
 
 def _accelerator(recipe: Recipe, log):
     """(accelerate's Accelerator for the recipe's training section, the mixed precision it runs, the sharding:
-    "fsdp2", "zero1" / "zero2" or "ddp"). A sharding the run cannot do is one line here, before the target loads."""
+    "fsdp2", "zero1" / "zero2" / "zero3" or "ddp"). A sharding the run cannot do is one line here, before the target
+    loads."""
     from accelerate import Accelerator
 
     cfg, output_dir = recipe.training, Path(recipe.output_dir)
@@ -251,11 +253,9 @@ def check_sharding(recipe: Recipe, kind: str, source: str, environ=os.environ) -
     if kind == "fsdp2" and cfg.optimizer == "muon":
         raise TrainingError(f"{source}: training.optimizer=muon orthogonalises whole matrices, which FSDP2 shards: "
                             "use training.optimizer=adamw, or training.sharding=ddp")
-    if kind in ("deepspeed", "zero3"):
-        raise TrainingError(f"{source}: draftsmith runs DeepSpeed ZeRO stages 1 and 2 (ZeRO-3 regathers weights by "
-                            "module hooks that the drafters' losses outrun): launch with "
-                            "recipes/accelerate/deepspeed_zero2.yaml, or recipes/accelerate/fsdp.yaml to shard the "
-                            "parameters too")
+    if kind == "deepspeed":
+        raise TrainingError(f"{source}: draftsmith runs DeepSpeed ZeRO stages 1, 2 and 3: set zero_stage to one "
+                            "of them (recipes/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml)")
     if kind in distributed.ZERO_STAGES:
         check_deepspeed(recipe, kind, source, environ)
     store = store_folder(recipe) if cfg.shard_target else None

@@ -55,17 +55,24 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.bias_input(hidden, prev_embed))
 
 
+class Float32Linear(nn.Linear):
+    """A Linear that computes in float32 whatever its weights' dtype. Its own forward reads the weights, so DeepSpeed
+    ZeRO-3 gathers them around it (a parent reading `proj.weight` would get an empty partition)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), self.bias.float())
+
+
 class ConfidenceHead(nn.Module):
     """One logit per slot from [h_k; W1[x_{k-1}]]: the predicted acceptance of slot k given its prefix."""
 
     def __init__(self, config: DsparkDrafterConfig):
         super().__init__()
-        self.proj = nn.Linear(config.hidden_size + config.markov_rank, 1)
+        self.proj = Float32Linear(config.hidden_size + config.markov_rank, 1)
 
     def forward(self, hidden: torch.Tensor, prev_embed: torch.Tensor) -> torch.Tensor:
         """(M,) float32 logits; the engines run this head in float32."""
-        x = torch.cat([hidden, prev_embed.to(hidden.dtype)], dim=-1).float()
-        return F.linear(x, self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
+        return self.proj(torch.cat([hidden, prev_embed.to(hidden.dtype)], dim=-1)).squeeze(-1)
 
 
 class DsparkDrafter(DflashDrafter):
